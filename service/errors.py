@@ -1,0 +1,43 @@
+"""The project's exception hierarchy; the HTTP layer maps each class to one status code."""
+
+from __future__ import annotations
+
+
+class R4TError(Exception):
+    """Base class for every error r4t raises on purpose."""
+
+    http_status = 500
+
+
+class InputError(R4TError):
+    """The caller sent something we cannot serve (bad query, bad k, bad catalog line)."""
+
+    http_status = 422
+
+
+class CatalogError(InputError):
+    """A catalog file is missing or malformed; the message names the file and line."""
+
+
+class BundleError(R4TError):
+    """A bundle is missing, partial, corrupted or of an unknown format."""
+
+    http_status = 503
+
+
+class OverloadError(R4TError):
+    """The bounded queue is full; the client should retry after a short pause."""
+
+    http_status = 429
+
+
+class DeadlineError(R4TError):
+    """The request's deadline passed before an answer was ready."""
+
+    http_status = 504
+
+
+class UnavailableError(R4TError):
+    """A retrieval path is not loaded or not ready."""
+
+    http_status = 503

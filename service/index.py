@@ -1,0 +1,50 @@
+"""FAISS index over the catalog's item embeddings: exact inner product by default.
+
+Any FAISS `index_factory` string (e.g. "HNSW32", "IVF1024,PQ16") can be chosen for large
+catalogs; vectors are unit-norm, so inner product is cosine similarity.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+EXACT = "Flat"
+# Exact search keeps every vector in memory as float32; past this size ask for a factory.
+MAX_EXACT_ITEMS = 1_000_000
+
+
+def build_index(embeddings: np.ndarray, factory: str | None = None) -> faiss.Index:
+    """Build an inner-product index over (N, D) float32 unit vectors."""
+    vectors = np.ascontiguousarray(embeddings, dtype=np.float32)
+    _, dim = vectors.shape
+    index = faiss.index_factory(dim, factory or EXACT, faiss.METRIC_INNER_PRODUCT)
+    if not index.is_trained:
+        index.train(vectors)
+    index.add(vectors)
+    return index
+
+
+def save_index(index: faiss.Index, path: Path) -> None:
+    faiss.write_index(index, str(path))
+
+
+def load_index(path: Path) -> faiss.Index:
+    return faiss.read_index(str(path))
+
+
+def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k by inner product: (scores, rows), both (Q, k); rows are -1 where fewer exist."""
+    vectors = np.ascontiguousarray(queries, dtype=np.float32)
+    if vectors.ndim != 2:
+        raise ValueError(f"queries must be (Q, D), got shape {vectors.shape}")
+    k = min(k, index.ntotal)
+    scores, rows = index.search(vectors, k)
+    return scores, rows.astype(np.int64, copy=False)
+
+
+def set_threads(n: int) -> None:
+    """Cap FAISS's OpenMP threads (the service shares two cores with ONNX Runtime)."""
+    faiss.omp_set_num_threads(max(1, n))

@@ -1,0 +1,91 @@
+"""The `r4t` command: catalog, bundle, eval (and, as they land, train, synthesize, serve)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from service.errors import R4TError
+
+DEFAULT_BUNDLE = Path("models/default")
+
+
+def _catalog_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", default="wordnet", help="'wordnet' or a JSONL catalog path")
+    parser.add_argument("--benchmark", default=None, help="JSONL benchmark for a user's catalog")
+    parser.add_argument("--dim", type=int, default=128, help="encoder (Matryoshka) dimension")
+    parser.add_argument("--index-factory", default=None, help="FAISS factory string, e.g. HNSW32")
+    parser.add_argument("--seed", type=int, default=0, help="benchmark split seed")
+    parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
+
+
+def cmd_catalog(args: argparse.Namespace) -> None:
+    from training.pipeline import CatalogConfig, build_catalog
+
+    config = CatalogConfig(
+        source=args.source, benchmark=args.benchmark, dim=args.dim,
+        index_factory=args.index_factory, seed=args.seed,
+    )
+    build_catalog(args.bundle, config, force=args.force)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from service.bundle import load_bundle
+    from service.encoder import Encoder
+    from training.evaluation import METHODS, evaluate, results_table, write_report
+
+    bundle = load_bundle(args.bundle)
+    encoder = Encoder(bundle.encoder_config)
+    names = sorted(METHODS) if args.method == "all" else args.method.split(",")
+    for name in names:
+        options = {"lam": args.mmr_lambda} if name == "mmr" else {}
+        report = evaluate(bundle, name, args.split, args.k, args.limit, encoder, **options)
+        print(f"wrote {write_report(args.bundle, report)}")
+    print(results_table(args.bundle))
+
+
+def cmd_table(args: argparse.Namespace) -> None:
+    from training.evaluation import results_table
+
+    print(results_table(args.bundle))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="r4t", description=__doc__)
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE, help="bundle folder")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    catalog = sub.add_parser("catalog", help="build the catalog, index and benchmark stages")
+    _catalog_args(catalog)
+    catalog.set_defaults(func=cmd_catalog)
+
+    bundle = sub.add_parser("bundle", help="build or complete every stage of a bundle")
+    _catalog_args(bundle)
+    bundle.set_defaults(func=cmd_catalog)
+
+    ev = sub.add_parser("eval", help="evaluate methods on a benchmark split")
+    ev.add_argument("--method", default="all", help="a method, a comma list, or 'all'")
+    ev.add_argument("--split", default="test", choices=("train", "val", "test"))
+    ev.add_argument("--k", type=int, default=10)
+    ev.add_argument("--limit", type=int, default=None, help="first N queries of the split")
+    ev.add_argument("--mmr-lambda", type=float, default=0.7)
+    ev.set_defaults(func=cmd_eval)
+
+    table = sub.add_parser("table", help="print the bundle's evaluation table")
+    table.set_defaults(func=cmd_table)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except R4TError as exc:
+        print(f"r4t: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

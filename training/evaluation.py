@@ -1,0 +1,116 @@
+"""The evaluation harness: run a named method over a benchmark split, write its report.
+
+Reports land in `models/<bundle>/eval/<method>-<split>.json` with the shape
+{"method", "split", "n_queries", "k", "metrics": {...}} and a markdown table of every
+report so far in `eval/README.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from service.bundle import REPORTS_DIR, Bundle
+from service.encoder import Encoder
+from service.reward import RewardWeights, score_probes
+from training.benchmark import BenchmarkQuery, load_split
+from training.methods import BASELINES, Method, MethodOutput
+from training.metrics import group_hit_rate, precision, recall, set_vendi
+
+METRICS = (
+    "recall@5k", "hit@5k", "precision@10", "coverage@10", "vendi@10",
+    "alignment", "groundedness", "reward", "latency_ms_per_query",
+)
+BATCH = 64
+
+# name -> factory(bundle, k, **options) -> Method; later stages register their methods here.
+METHODS: dict[str, Callable[..., Method]] = dict(BASELINES)
+
+
+def query_metrics(query: BenchmarkQuery, out: MethodOutput, i: int, bundle: Bundle) -> dict:
+    """Reference-based metrics of query i (NaN when the query has no reference groups)."""
+    ids = bundle.items.ids
+    returned = [ids[r] for r in out.items[i]]
+    pool = {ids[r] for r in out.pools[i]}
+    reference = query.reference
+    return {
+        "recall@5k": recall(pool, reference),
+        "hit@5k": group_hit_rate(pool, query.groups),
+        "precision@10": precision(returned, reference),
+        "coverage@10": group_hit_rate(set(returned), query.groups),
+        "vendi@10": set_vendi(bundle.items.embeddings[out.items[i]]),
+    }
+
+
+def evaluate(
+    bundle: Bundle,
+    method: str,
+    split: str = "test",
+    k: int = 10,
+    limit: int | None = None,
+    encoder: Encoder | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Run `method` over `split` in batches and return the report dict."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; available: {sorted(METHODS)}")
+    queries = load_split(bundle.path, split)[:limit]
+    encoder = encoder or Encoder(bundle.encoder_config)
+    run = METHODS[method](bundle, k=k, **options)
+    rows: list[dict] = []
+    elapsed = 0.0
+    for start in tqdm(range(0, len(queries), BATCH), desc=f"eval {method}/{split}", unit="batch"):
+        batch = queries[start : start + BATCH]
+        texts = [q.query for q in batch]
+        began = time.perf_counter()
+        embedded = encoder.encode(texts)  # (B, d)
+        out = run(texts, embedded)
+        elapsed += time.perf_counter() - began
+        terms = score_probes(bundle.index, bundle.items.embeddings, embedded, out.probes, out.valid)
+        for i, query in enumerate(batch):
+            row = query_metrics(query, out, i, bundle)
+            row.update(alignment=terms.alignment[i], groundedness=terms.ground[i])
+            row["reward"] = terms.total[i]
+            rows.append(row)
+    metrics = {name: _mean([r[name] for r in rows]) for name in METRICS[:-1]}
+    metrics["latency_ms_per_query"] = 1000.0 * elapsed / max(len(queries), 1)
+    return {"method": method, "split": split, "n_queries": len(queries), "k": k, "metrics": metrics}
+
+
+def _mean(values: list[float]) -> float | None:
+    array = np.asarray(values, dtype=np.float64)
+    return float(np.nanmean(array)) if np.isfinite(array).any() else None
+
+
+def write_report(bundle_dir: Path, report: dict[str, Any]) -> Path:
+    """Write the report JSON and refresh the markdown table of all reports."""
+    directory = bundle_dir / REPORTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{report['method']}-{report['split']}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    (directory / "README.md").write_text(results_table(bundle_dir))
+    return path
+
+
+def results_table(bundle_dir: Path) -> str:
+    """Markdown table of every report in the bundle's eval folder."""
+    reports = [json.loads(p.read_text()) for p in sorted((bundle_dir / REPORTS_DIR).glob("*.json"))]
+    header = "| method | split | n | " + " | ".join(METRICS) + " |"
+    lines = [f"# Evaluation of bundle `{bundle_dir.name}`", "", header,
+             "|" + "---|" * (len(METRICS) + 3)]
+    for r in sorted(reports, key=lambda r: (r["split"], r["method"])):
+        cells = [_fmt(r["metrics"].get(name)) for name in METRICS]
+        lines.append(f"| {r['method']} | {r['split']} | {r['n_queries']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3f}"

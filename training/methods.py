@@ -1,0 +1,92 @@
+"""Retrieval methods the evaluation harness can run, by name.
+
+A method maps query texts (and their embeddings) to k probe embeddings per query, k
+returned items per query and a candidate pool per query (500 per slot, 10 slots). Fan-out
+methods plug in with `fanout_output`; baselines here: `single` and `mmr`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.bundle import Bundle
+from service.index import search
+from service.resolution import distinct_nearest
+from training.metrics import POOL_PER_SLOT, POOL_SIZE
+
+MMR_CANDIDATES = 100
+MMR_LAMBDA = 0.7
+
+
+@dataclass
+class MethodOutput:
+    probes: np.ndarray  # (Q, k, d) what the reward scores: sub-queries, generated rows or items
+    items: np.ndarray  # (Q, k) int64 catalog rows returned
+    pools: list[np.ndarray]  # per query, the unique catalog rows of the candidate pool
+    valid: np.ndarray | None = None  # (Q, k) bool, False for missing/empty/duplicate sub-queries
+
+
+Method = Callable[[list[str], np.ndarray], MethodOutput]
+
+
+def single(bundle: Bundle, k: int = 10) -> Method:
+    """One dense query: top-k returned, top-5000 pooled; probes are the returned items."""
+
+    def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
+        _, rows = search(bundle.index, queries, POOL_SIZE)  # (Q, 5000)
+        items = rows[:, :k]  # (Q, k)
+        probes = bundle.items.embeddings[items]  # (Q, k, d)
+        return MethodOutput(probes=probes, items=items, pools=[r[r >= 0] for r in rows])
+
+    return run
+
+
+def mmr_select(query: np.ndarray, candidates: np.ndarray, k: int, lam: float) -> list[int]:
+    """Maximal marginal relevance: argmax λ·sim(q, c) − (1 − λ)·max_s sim(c, s), k times.
+
+    query: (d,), candidates: (C, d) unit rows. Returns positions into `candidates`.
+    """
+    relevance = candidates @ query  # (C,)
+    pairwise = candidates @ candidates.T  # (C, C)
+    chosen: list[int] = []
+    redundancy = np.full(len(candidates), -np.inf)
+    for _ in range(min(k, len(candidates))):
+        penalty = np.where(np.isfinite(redundancy), redundancy, 0.0)
+        score = lam * relevance - (1.0 - lam) * penalty
+        score[chosen] = -np.inf
+        best = int(np.argmax(score))
+        chosen.append(best)
+        redundancy = np.maximum(redundancy, pairwise[best])
+    return chosen
+
+
+def mmr(bundle: Bundle, k: int = 10, lam: float = MMR_LAMBDA) -> Method:
+    """MMR over the top-100; the k chosen items are the probes, pooled 500 each."""
+
+    def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
+        _, rows = search(bundle.index, queries, MMR_CANDIDATES)  # (Q, 100)
+        items = np.empty((len(queries), k), dtype=np.int64)
+        for i, query in enumerate(queries):
+            candidates = rows[i][rows[i] >= 0]
+            picked = mmr_select(query, bundle.items.embeddings[candidates], k, lam)
+            items[i] = candidates[picked]
+        return fanout_output(bundle, bundle.items.embeddings[items], items)
+
+    return run
+
+
+def fanout_output(bundle: Bundle, probes: np.ndarray, items: np.ndarray | None = None) -> MethodOutput:
+    """Probes (Q, k, d) → k distinct nearest items and a pool of 500 per probe."""
+    q, k, d = probes.shape
+    if items is None:
+        items, _ = distinct_nearest(bundle.index, probes)
+    _, rows = search(bundle.index, probes.reshape(q * k, d), POOL_PER_SLOT)  # (Q·k, 500)
+    rows = rows.reshape(q, k * rows.shape[1])  # (Q, k·500)
+    pools = [np.unique(r[r >= 0]) for r in rows]
+    return MethodOutput(probes=probes, items=items, pools=pools)
+
+
+BASELINES: dict[str, Callable[..., Method]] = {"single": single, "mmr": mmr}
