@@ -28,9 +28,8 @@ class Encoder:
     """Embeds texts as L2-normalised float32 vectors of `config.dim` dimensions."""
 
     def __init__(self, config: EncoderConfig | None = None) -> None:
-        from wordllama import WordLlama  # deferred: loading reads ~30 MB of weights
-
         import wordllama
+        from wordllama import WordLlama  # deferred: loading reads ~30 MB of weights
 
         self.config = config or EncoderConfig()
         if self.config.dim not in MATRYOSHKA_DIMS:

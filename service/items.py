@@ -1,4 +1,5 @@
-"""The item store: ids, texts, metadata and embeddings of the catalog, row-aligned with the index."""
+"""The item store: ids, texts, metadata and embeddings of the catalog, row-aligned with the
+index."""
 
 from __future__ import annotations
 

@@ -57,8 +57,8 @@ def wordnet_queries(synsets: dict[str, Synset] | None = None) -> list[BenchmarkQ
 def split_queries(queries: list[BenchmarkQuery], seed: int) -> dict[str, list[BenchmarkQuery]]:
     """Shuffle with a fixed seed and cut 80/10/10; the same input always gives the same split."""
     order = np.random.default_rng(seed).permutation(len(queries))
-    n_train = int(round(SPLIT_FRACTIONS[0] * len(queries)))
-    n_val = int(round(SPLIT_FRACTIONS[1] * len(queries)))
+    n_train = round(SPLIT_FRACTIONS[0] * len(queries))
+    n_val = round(SPLIT_FRACTIONS[1] * len(queries))
     shuffled = [queries[i] for i in order]
     return {
         "train": shuffled[:n_train],
@@ -118,4 +118,5 @@ def query_texts(bundle_dir: Path, split: str = "train") -> list[str]:
 
 
 def _from_record(record: dict) -> BenchmarkQuery:
-    return BenchmarkQuery(query=record["query"], groups=record.get("groups", []), id=record.get("id"))
+    groups = record.get("groups", [])
+    return BenchmarkQuery(query=record["query"], groups=groups, id=record.get("id"))

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from service.bundle import REPORTS_DIR, Bundle
 from service.encoder import Encoder
-from service.reward import RewardWeights, score_probes
+from service.reward import score_probes
 from training.benchmark import BenchmarkQuery, load_split
 from training.methods import BASELINES, Method, MethodOutput
 from training.metrics import group_hit_rate, precision, recall, set_vendi
@@ -106,7 +106,8 @@ def results_table(bundle_dir: Path) -> str:
              "|" + "---|" * (len(METRICS) + 3)]
     for r in sorted(reports, key=lambda r: (r["split"], r["method"])):
         cells = [_fmt(r["metrics"].get(name)) for name in METRICS]
-        lines.append(f"| {r['method']} | {r['split']} | {r['n_queries']} | " + " | ".join(cells) + " |")
+        head = f"| {r['method']} | {r['split']} | {r['n_queries']} | "
+        lines.append(head + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -78,7 +78,9 @@ def mmr(bundle: Bundle, k: int = 10, lam: float = MMR_LAMBDA) -> Method:
     return run
 
 
-def fanout_output(bundle: Bundle, probes: np.ndarray, items: np.ndarray | None = None) -> MethodOutput:
+def fanout_output(
+    bundle: Bundle, probes: np.ndarray, items: np.ndarray | None = None
+) -> MethodOutput:
     """Probes (Q, k, d) → k distinct nearest items and a pool of 500 per probe."""
     q, k, d = probes.shape
     if items is None:

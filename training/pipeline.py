@@ -78,7 +78,9 @@ def open_bundle(bundle_dir: Path, config: CatalogConfig) -> dict[str, Any]:
     return manifest
 
 
-def catalog_stage(bundle_dir: Path, manifest: dict, config: CatalogConfig, catalog: Catalog) -> None:
+def catalog_stage(
+    bundle_dir: Path, manifest: dict, config: CatalogConfig, catalog: Catalog
+) -> None:
     """Embed the catalog, build the index, commit items + embeddings + index."""
     started = time.perf_counter()
     staged = Path(tempfile.mkdtemp(prefix=".staging-catalog-", dir=bundle_dir))
@@ -98,7 +100,9 @@ def catalog_stage(bundle_dir: Path, manifest: dict, config: CatalogConfig, catal
         shutil.rmtree(staged, ignore_errors=True)
 
 
-def benchmark_stage(bundle_dir: Path, manifest: dict, config: CatalogConfig, catalog: Catalog) -> None:
+def benchmark_stage(
+    bundle_dir: Path, manifest: dict, config: CatalogConfig, catalog: Catalog
+) -> None:
     """Derive (WordNet) or read (user file) the benchmark, split it, commit the splits."""
     started = time.perf_counter()
     if config.source == WORDNET:
@@ -131,7 +135,8 @@ def build_catalog(bundle_dir: Path, config: CatalogConfig, force: bool = False) 
         catalog_stage(bundle_dir, manifest, config, catalog)
     if force or not bench_current:
         benchmark_stage(bundle_dir, manifest, config, catalog)
-    summary = {k: manifest["stages"][k] for k in ("catalog", "benchmark") if k in manifest["stages"]}
+    stages = manifest["stages"]
+    summary = {k: stages[k] for k in ("catalog", "benchmark") if k in stages}
     print(json.dumps(summary, indent=2))
     return manifest
 

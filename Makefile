@@ -1,0 +1,42 @@
+# r4t — the front door. `make serve` is the main job, `make test` passes the tests.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+R4T     := $(VENV)/bin/r4t
+BUNDLE  ?= models/default
+STAMP   := $(VENV)/.installed
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install system-deps bundle eval serve test lint clean-bundle
+
+install: $(STAMP)
+
+system-deps:
+	@[ -f /usr/share/wordnet/data.noun ] || ($(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq wordnet-base)
+
+# torch is pinned to the CPU wheel first so that nothing pulls a CUDA build.
+$(STAMP): pyproject.toml | system-deps
+	[ -x $(PY) ] || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev]'
+	touch $(STAMP)
+
+bundle: install
+	$(R4T) --bundle $(BUNDLE) bundle
+
+eval: bundle
+	$(R4T) --bundle $(BUNDLE) eval --method all --split test
+
+serve: bundle
+	@[ -f $(BUNDLE)/eval/single-test.json ] || $(R4T) --bundle $(BUNDLE) eval --method all --split test
+	$(R4T) --bundle $(BUNDLE) table
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(VENV)/bin/pytest tests
+
+clean-bundle:
+	rm -rf $(BUNDLE)

@@ -1,0 +1,59 @@
+import json
+
+import numpy as np
+import pytest
+
+from service.bundle import load_bundle
+from training.benchmark import load_split, query_texts
+from training.evaluation import METRICS, evaluate, write_report
+from training.methods import mmr_select
+from training.metrics import group_hit_rate, precision, recall, set_vendi
+
+
+def test_metric_functions_by_hand():
+    reference = {"a", "b", "c", "d"}
+    assert recall({"a", "b", "x"}, reference) == 0.5
+    assert precision(["a", "x", "y", "b"], reference) == 0.5
+    assert group_hit_rate({"a", "x"}, [["a", "b"], ["c"], ["d", "a"]]) == pytest.approx(2 / 3)
+    assert set_vendi(np.eye(3)) == pytest.approx(3.0)
+
+
+def test_mmr_prefers_a_new_direction_over_a_near_duplicate():
+    query = np.array([1.0, 0.0, 0.0])
+    a = np.array([0.9, 0.436, 0.0])
+    near_a = np.array([0.89, 0.456, 0.0])
+    other = np.array([0.8, 0.0, 0.6])
+    candidates = np.stack([a, near_a, other]) / np.linalg.norm([a, near_a, other], axis=1)[:, None]
+    assert mmr_select(query, candidates, 2, lam=0.5) == [0, 2]
+    assert mmr_select(query, candidates, 2, lam=1.0) == [0, 1]
+
+
+def test_training_view_of_the_benchmark_is_text_only(small_bundle_dir):
+    texts = query_texts(small_bundle_dir, "train")
+    assert texts and all(isinstance(t, str) for t in texts)
+    assert texts == [q.query for q in load_split(small_bundle_dir, "train")]
+
+
+@pytest.mark.parametrize("method", ["single", "mmr"])
+def test_report_shape_and_ranges(small_bundle_dir, method):
+    bundle = load_bundle(small_bundle_dir)
+    report = evaluate(bundle, method, split="train")
+    assert set(report) == {"method", "split", "n_queries", "k", "metrics"}
+    assert list(report["metrics"]) == list(METRICS)
+    assert report["n_queries"] == len(load_split(small_bundle_dir, "train"))
+    m = report["metrics"]
+    for name in ("recall@5k", "hit@5k", "precision@10", "coverage@10", "reward"):
+        assert 0.0 <= m[name] <= 1.0
+    assert 1.0 <= m["vendi@10"] <= 10.0
+    assert m["recall@5k"] > 0.2  # the subtree is in the catalog; dense retrieval finds much of it
+    path = write_report(small_bundle_dir, report)
+    assert json.loads(path.read_text()) == report
+    table = (small_bundle_dir / "eval" / "README.md").read_text()
+    assert f"| {method} | train |" in table
+
+
+def test_mmr_is_more_diverse_than_single(small_bundle_dir):
+    bundle = load_bundle(small_bundle_dir)
+    single = evaluate(bundle, "single", split="train")["metrics"]
+    mmr = evaluate(bundle, "mmr", split="train", lam=0.5)["metrics"]
+    assert mmr["vendi@10"] > single["vendi@10"]
