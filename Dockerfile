@@ -1,0 +1,42 @@
+# r4t: multi-stage image. The builder runs the offline job (the same steps `.ci/run` proves:
+# apt wordnet-base, torch==2.13.0 CPU, `pip install .[train]`, `r4t bundle`); the runtime holds
+# only the service's dependencies (no torch), the bundle and a non-root user.
+#   docker build -t r4t .                          # CPU runtime
+#   docker build -t r4t:gpu --build-arg RUNTIME=gpu .   # onnxruntime-gpu on a CUDA base image
+ARG RUNTIME=cpu
+
+FROM python:3.11-slim-bookworm AS builder
+RUN apt-get update && apt-get install -y --no-install-recommends wordnet-base git \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml constraints.txt README.md ./
+COPY service service
+COPY training training
+RUN python -m venv /opt/train && /opt/train/bin/pip install --no-cache-dir \
+        --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+    && /opt/train/bin/pip install --no-cache-dir -c constraints.txt '.[train]'
+RUN /opt/train/bin/r4t --bundle /bundle/default bundle
+
+FROM python:3.11-slim-bookworm AS runtime-cpu
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 AS runtime-gpu
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir onnxruntime-gpu
+ENV PATH=/opt/venv/bin:$PATH
+
+FROM runtime-${RUNTIME} AS runtime
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY service service
+COPY training training
+RUN pip install --no-cache-dir . && useradd --uid 10001 --create-home r4t
+COPY --from=builder --chown=r4t /bundle/default /app/models/default
+USER r4t
+ENV R4T_HOST=0.0.0.0 R4T_PORT=8000 R4T_BUNDLE=/app/models/default
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
+    CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/readyz').status != 200)"
+ENTRYPOINT ["r4t", "serve"]
