@@ -23,16 +23,20 @@ ENV PATH=/opt/venv/bin:$PATH
 
 FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 AS runtime-gpu
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
-    && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir onnxruntime-gpu
+    && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
 FROM runtime-${RUNTIME} AS runtime
+ARG RUNTIME
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY service service
 COPY training training
-RUN pip install --no-cache-dir . && useradd --uid 10001 --create-home r4t
+# onnxruntime-gpu replaces the CPU wheel (both install the `onnxruntime` module).
+RUN pip install --no-cache-dir . \
+    && if [ "$RUNTIME" = gpu ]; then pip uninstall -y onnxruntime \
+       && pip install --no-cache-dir onnxruntime-gpu; fi \
+    && useradd --uid 10001 --create-home r4t
 COPY --from=builder --chown=r4t /bundle/default /app/models/default
 USER r4t
 ENV R4T_HOST=0.0.0.0 R4T_PORT=8000 R4T_BUNDLE=/app/models/default
