@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     table = sub.add_parser("table", help="print the bundle's evaluation table")
     table.set_defaults(func=cmd_table)
+
+    from service.server import register as register_serve
+
+    register_serve(sub)
     return parser
 
 

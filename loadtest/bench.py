@@ -1,0 +1,209 @@
+"""The honest speed benchmark: both retrieval paths, same run, same machine, per stage.
+
+For each batch size, seconds per batch of the diffusion path (encode → solver → search) and
+of the autoregressive path (decode → encode sub-queries → search), the speedup, the solver's
+FLOPs per query, the AR tokens generated, and this machine's measured fp32 matmul peak with
+the solver's share of it. Writes JSON, a markdown table in the style of the paper's Figure 5,
+and a PNG plot. Run alone: anything else computing on the machine skews every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from tqdm import tqdm
+
+from service.bundle import load_bundle
+from service.decoding import FanoutDecoder
+from service.encoder import Encoder
+from service.fanout import parse_fanout
+from service.resolution import distinct_nearest
+from service.sampler import DiffusionSampler
+
+BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
+PAPER_SECONDS = {8: (1.456, 0.090), 16: (1.518, 0.098), 32: (1.652, 0.157), 64: (1.852, 0.230),
+                 128: (5.632, 0.527), 256: (11.448, 1.091), 512: (24.531, 2.141),
+                 1024: (49.766, 3.930)}
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Best-of-N fp32 GEMM rate of this machine through numpy's BLAS."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    a @ a  # warm-up
+    best = min(_timed(lambda: a @ a) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def _timed(fn: Any) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    if Path("/proc/cpuinfo").is_file():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
+            "onnxruntime": ort.__version__, "available_providers": ort.get_available_providers()}
+
+
+def diffusion_batch(queries: list[str], encoder: Encoder, sampler: DiffusionSampler,
+                    bundle: Any, k: int) -> dict[str, float]:
+    clock: dict[str, float] = {}
+    started = time.perf_counter()
+    q = encoder.encode(queries)  # (B, d)
+    clock["encode"] = time.perf_counter() - started
+    started = time.perf_counter()
+    rows = sampler.sample(q, seed=0)  # (B, L, d)
+    clock["solver"] = time.perf_counter() - started
+    started = time.perf_counter()
+    distinct_nearest(bundle.index, rows[:, :k])
+    clock["search"] = time.perf_counter() - started
+    return clock
+
+
+def ar_batch(queries: list[str], encoder: Encoder, decoder: FanoutDecoder,
+             bundle: Any, k: int) -> dict[str, float]:
+    clock: dict[str, float] = {}
+    started = time.perf_counter()
+    generations = decoder.generate(queries, temperature=0.0)
+    clock["decode"] = time.perf_counter() - started
+    clock["tokens"] = float(sum(g.n_tokens for g in generations))
+    started = time.perf_counter()
+    parsed = [parse_fanout(g.text, k) for g in generations]
+    subs = encoder.encode([s or q for p, q in zip(parsed, queries, strict=True)
+                           for s in p.subqueries])  # (B·k, d)
+    clock["encode"] = time.perf_counter() - started
+    started = time.perf_counter()
+    distinct_nearest(bundle.index, subs.reshape(len(queries), k, -1))  # (B, k, d)
+    clock["search"] = time.perf_counter() - started
+    return clock
+
+
+def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path) -> dict:
+    bundle = load_bundle(bundle_dir)
+    encoder = Encoder(bundle.encoder_config)
+    sampler = DiffusionSampler(bundle_dir / "diffusion", threads=threads)
+    decoder = FanoutDecoder(bundle_dir / "folm", threads=threads)
+    k = int(sampler.config.get("k", 10))
+    texts = [json.loads(line)["query"] for line in
+             (bundle_dir / "benchmark" / "test.jsonl").read_text().splitlines()]
+    diffusion_batch(texts[:8], encoder, sampler, bundle, k)  # warm-up both paths
+    ar_batch(texts[:8], encoder, decoder, bundle, k)
+    peak = matmul_peak_gflops()
+    rows = []
+    for b in tqdm(batches, desc="bench", unit="batch size"):
+        queries = [texts[i % len(texts)] for i in range(b)]
+        d = diffusion_batch(queries, encoder, sampler, bundle, k)
+        a = ar_batch(queries, encoder, decoder, bundle, k)
+        rows.append(_row(b, d, a, sampler.config, peak))
+    report = {"machine": machine(), "matmul_peak_gflops": peak, "threads": threads,
+              "providers": {"diffusion": sampler.providers, "ar": decoder.providers},
+              "sampler": {key: sampler.config.get(key) for key in
+                          ("solver", "steps", "cfg_weight", "params", "flops_per_query", "rows")},
+              "folm": {key: decoder.config.get(key) for key in ("params", "max_new_tokens")},
+              "rows": rows}
+    write_outputs(report, out_dir)
+    return report
+
+
+def _row(b: int, d: dict[str, float], a: dict[str, float], config: dict, peak: float) -> dict:
+    d_total = d["encode"] + d["solver"] + d["search"]
+    a_total = a["decode"] + a["encode"] + a["search"]
+    flops = float(config.get("flops_per_query") or 0.0)
+    achieved = flops * b / d["solver"] / 1e9 if d["solver"] > 0 else 0.0
+    return {
+        "batch": b,
+        "diffusion_s": d_total, "diffusion_stages_s": d,
+        "ar_s": a_total, "ar_stages_s": {key: v for key, v in a.items() if key != "tokens"},
+        "ar_tokens": int(a["tokens"]), "ar_tokens_per_query": a["tokens"] / b,
+        "speedup": a_total / d_total,
+        "solver_gflops": achieved, "solver_share_of_peak": achieved / peak if peak else None,
+        "paper_ar_s": PAPER_SECONDS.get(b, (None, None))[0],
+        "paper_diffusion_s": PAPER_SECONDS.get(b, (None, None))[1],
+    }
+
+
+def markdown(report: dict) -> str:
+    m, s = report["machine"], report["sampler"]
+    lines = [
+        "# r4t speed benchmark: autoregressive vs diffusion, same run, same machine", "",
+        f"- machine: {m['cpu']}, {m['cores']} cores, ONNX Runtime {m['onnxruntime']}, "
+        f"providers diffusion={report['providers']['diffusion'][0]} "
+        f"ar={report['providers']['ar'][0]}, threads={report['threads'] or 'default'}",
+        f"- measured fp32 matmul peak: {report['matmul_peak_gflops']:.1f} GFLOP/s",
+        f"- diffusion sampler: {s['solver']}, {s['steps']} steps, CFG w={s['cfg_weight']}, "
+        f"{s['params']:,} params, {s['flops_per_query'] / 1e6:.0f} MFLOP/query",
+        f"- AR fan-out model: {report['folm']['params']:,} params, greedy, "
+        f"≤ {report['folm']['max_new_tokens']} new tokens", "",
+        "| batch | AR (s) | diffusion (s) | speedup | AR decode | AR encode+search | "
+        "diff. encode | diff. solver | diff. search | AR tokens/query | solver GFLOP/s "
+        "(share of peak) | paper AR / diff. (s) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        a, d = r["ar_stages_s"], r["diffusion_stages_s"]
+        lines.append(
+            f"| {r['batch']} | {r['ar_s']:.3f} | {r['diffusion_s']:.3f} | {r['speedup']:.1f}x | "
+            f"{a['decode']:.3f} | {a['encode'] + a['search']:.3f} | {d['encode']:.3f} | "
+            f"{d['solver']:.3f} | {d['search']:.3f} | {r['ar_tokens_per_query']:.0f} | "
+            f"{r['solver_gflops']:.1f} ({100 * (r['solver_share_of_peak'] or 0):.0f}%) | "
+            f"{r['paper_ar_s']} / {r['paper_diffusion_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [r["batch"] for r in report["rows"]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(batches, [r["ar_s"] for r in report["rows"]], "o-", label="r4t autoregressive")
+    ax.plot(batches, [r["diffusion_s"] for r in report["rows"]], "s-", label="r4t diffusion")
+    ax.plot(batches, [r["paper_ar_s"] for r in report["rows"]], "o--", alpha=0.4,
+            label="paper AR (4B, unstated hardware)")
+    ax.plot(batches, [r["paper_diffusion_s"] for r in report["rows"]], "s--", alpha=0.4,
+            label="paper diffusion")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="seconds per batch",
+           title=f"{report['machine']['cpu']} ({report['machine']['cores']} cores)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(report: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "bench.md").write_text(markdown(report))
+    plot(report, out_dir / "bench.png")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0 = all)")
+    parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
+    args = parser.parse_args()
+    batches = tuple(int(b) for b in args.batches.split(","))
+    report = run(args.bundle, batches, args.threads, args.out)
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

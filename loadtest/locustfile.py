@@ -1,0 +1,42 @@
+"""Locust scenarios against a running r4t service: diffusion only, AR only, and the A/B mix.
+
+Select with R4T_LOAD_SCENARIO=diffusion|ar|mix; R4T_LOAD_RATE is each user's requests/s
+(constant throughput, so users × rate is the offered load). Loopback targets only.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+from locust import HttpUser, constant_throughput, task
+
+QUERIES = [
+    "camping gear", "kitchen utensil", "musical instrument", "vehicle", "tree", "bird",
+    "furniture", "garment", "weapon", "tool", "game", "sport", "dog", "fish", "flower",
+    "building", "container", "fabric", "beverage", "dance", "disease", "mineral", "boat",
+]
+SCENARIO = os.environ.get("R4T_LOAD_SCENARIO", "mix")
+RATE = float(os.environ.get("R4T_LOAD_RATE", "1.0"))
+
+
+class RetrievalUser(HttpUser):
+    wait_time = constant_throughput(RATE)
+
+    @task
+    def retrieve(self) -> None:
+        body: dict[str, object] = {"query": random.choice(QUERIES), "k": 10,
+                                   "user_id": f"user-{random.randrange(10_000)}"}
+        if SCENARIO in ("diffusion", "ar"):
+            body["route"] = SCENARIO
+        with self.client.post("/v1/retrieve", json=body, name="/v1/retrieve",
+                              catch_response=True) as response:
+            if response.status_code != 200:
+                response.failure(f"HTTP {response.status_code}")
+                return
+            route = response.json().get("route", "unknown")
+            # Record the latency a second time under the route that answered it.
+            self.environment.events.request.fire(
+                request_type="ROUTE", name=route, response_time=response.elapsed.total_seconds()
+                * 1000.0, response_length=len(response.content), exception=None, context={},
+            )

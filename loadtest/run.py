@@ -1,0 +1,150 @@
+"""`make loadtest`: start `r4t serve` on loopback, run each Locust scenario headless for a
+bounded time, and write a summary (JSON, markdown table, PNG latency plot).
+
+Targets 127.0.0.1 only. Scenarios run one after another against one server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+SCENARIOS = ("diffusion", "ar", "mix")
+HOST = "127.0.0.1"
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+
+
+def start_server(bundle: Path, port: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "R4T_BUNDLE": str(bundle), "R4T_HOST": HOST, "R4T_PORT": str(port),
+           "R4T_LOG_LEVEL": "warning"}
+    handle = log.open("w")
+    return subprocess.Popen([sys.executable, "-m", "training.cli", "serve"], env=env,
+                            stdout=handle, stderr=subprocess.STDOUT)
+
+
+def wait_ready(port: int, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://{HOST}:{port}/readyz", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"r4t serve on port {port} was not ready after {timeout_s:.0f} s")
+
+
+def run_scenario(name: str, port: int, users: int, rate: float, seconds: int, out: Path) -> dict:
+    prefix = out / name
+    env = {**os.environ, "R4T_LOAD_SCENARIO": name, "R4T_LOAD_RATE": str(rate / users)}
+    subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+         "-u", str(users), "-r", str(users), "-t", f"{seconds}s", "--stop-timeout", "5",
+         "--host", f"http://{HOST}:{port}", "--csv", str(prefix), "--exit-code-on-error", "0"],
+        env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    return summarize(name, prefix, rate, users, seconds)
+
+
+def summarize(name: str, prefix: Path, rate: float, users: int, seconds: int) -> dict:
+    stats = _read_csv(Path(f"{prefix}_stats.csv"))
+    failures = _read_csv(Path(f"{prefix}_failures.csv"))
+    total = next(r for r in stats if r["Name"] == "/v1/retrieve")
+    by_status: dict[str, int] = {}
+    for row in failures:
+        status = row["Error"].replace("HTTP ", "").strip() or "error"
+        by_status[status] = by_status.get(status, 0) + int(row["Occurrences"])
+    routes = {r["Name"]: _latency(r) for r in stats if r["Type"] == "ROUTE"}
+    return {
+        "scenario": name, "users": users, "offered_rps": rate, "seconds": seconds,
+        "requests": int(total["Request Count"]), "failures": int(total["Failure Count"]),
+        "failures_by_status": by_status, "throughput_rps": float(total["Requests/s"]),
+        "five_xx": sum(n for s, n in by_status.items() if s.startswith("5")),
+        "latency_ms": _latency(total), "latency_ms_by_route": routes,
+    }
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _latency(row: dict[str, str]) -> dict[str, float]:
+    return {p: float(row[f"{p}%"]) if row[f"{p}%"] != "N/A" else float("nan")
+            for p in ("50", "95", "99")}
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| scenario | offered req/s | requests | throughput req/s | failures by status | "
+             "route | p50 ms | p95 ms | p99 ms |", "|---|---:|---:|---:|---|---|---:|---:|---:|"]
+    for r in results:
+        fails = ", ".join(f"{s}: {n}" for s, n in sorted(r["failures_by_status"].items())) or "0"
+        for route, lat in sorted(r["latency_ms_by_route"].items()):
+            lines.append(f"| {r['scenario']} | {r['offered_rps']:.0f} | {r['requests']} | "
+                         f"{r['throughput_rps']:.1f} | {fails} | {route} | {lat['50']:.0f} | "
+                         f"{lat['95']:.0f} | {lat['99']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, values = [], []
+    for r in results:
+        for route, lat in sorted(r["latency_ms_by_route"].items()):
+            labels.append(f"{r['scenario']}\n{route}")
+            values.append([lat["50"], lat["95"], lat["99"]])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.25
+    for j, name in enumerate(("p50", "p95", "p99")):
+        ax.bar([i + (j - 1) * width for i in range(len(labels))], [v[j] for v in values],
+               width, label=name)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set(ylabel="ms", title="r4t latency under load (loopback)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=40.0, help="offered requests/s in total")
+    parser.add_argument("--seconds", type=int, default=40, help="per scenario")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    server = start_server(args.bundle, args.port, args.out / "server.log")
+    results: list[dict[str, Any]] = []
+    try:
+        wait_ready(args.port)
+        for name in args.scenarios.split(","):
+            results.append(run_scenario(name, args.port, args.users, args.rate, args.seconds,
+                                        args.out))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    (args.out / "loadtest.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "loadtest.md").write_text(markdown(results))
+    plot(results, args.out / "loadtest.png")
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

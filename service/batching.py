@@ -1,0 +1,206 @@
+"""Dynamic batching: one batcher per retrieval path, owning a bounded asyncio queue.
+
+A batch closes at `max_batch_size` requests or `max_wait_ms` after its first request. Each
+request awaits its own future; requests whose caller went away (future cancelled) or whose
+deadline passed are dropped before compute. The compute function runs in the batcher's own
+worker thread, off the event loop, one batch at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from service.errors import DeadlineError, OverloadError, UnavailableError
+from service.metrics import Metrics
+
+P = TypeVar("P")
+R = TypeVar("R")
+EWMA_ALPHA = 0.2  # weight of the newest batch in the compute-time estimate
+CLOSE_GRACE_S = 10.0
+
+
+@dataclass
+class Job(Generic[P]):
+    payload: P
+    future: asyncio.Future
+    deadline: float  # time.monotonic() by which the answer is due
+    enqueued: float  # time.monotonic() at submission
+
+
+@dataclass
+class Completed(Generic[R]):
+    result: R
+    queue_s: float  # time spent waiting before its batch started
+    batch_size: int
+
+
+class Batcher(Generic[P, R]):
+    """Collects submissions into batches for `compute(payloads) -> results` (same order)."""
+
+    def __init__(
+        self,
+        name: str,
+        compute: Callable[[Sequence[P]], Sequence[R]],
+        *,
+        max_batch_size: int,
+        max_wait_ms: float,
+        queue_size: int,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.name = name
+        self._compute = compute
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_ms / 1000.0
+        self._queue: asyncio.Queue[Job[P]] = asyncio.Queue(maxsize=queue_size)
+        self._arrived = asyncio.Event()
+        self._metrics = metrics
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"r4t-{name}")
+        self._task: asyncio.Task | None = None
+        self._busy = False
+        self._current: list[Job[P]] = []  # the batch being collected or computed
+        self._closed = False
+        self.batch_s_estimate = 0.0  # EWMA of a batch's compute time
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name=f"batcher-{self.name}")
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def free_slots(self) -> int:
+        return self._queue.maxsize - self._queue.qsize()
+
+    def expected_wait_s(self) -> float:
+        """Rough time until a request submitted now is answered (queue ahead + own batch)."""
+        batches_ahead = self._queue.qsize() // self.max_batch_size + 1 + int(self._busy)
+        return self.batch_s_estimate * batches_ahead + self.max_wait_s
+
+    async def submit(self, payload: P, deadline: float) -> Completed[R]:
+        """Queue one request and wait for its answer; OverloadError when the queue is full."""
+        if self._closed:
+            raise UnavailableError(f"the {self.name} path is shutting down")
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        job = Job(payload, future, deadline, time.monotonic())
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
+            raise OverloadError(
+                f"the {self.name} queue is full ({self._queue.maxsize} waiting); retry shortly"
+            ) from None
+        self._arrived.set()
+        self._set_depth()
+        remaining = deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(future, timeout=max(remaining, 0.0))
+        except TimeoutError:  # wait_for cancelled the future: the batcher will skip it
+            raise DeadlineError(
+                f"no answer from the {self.name} path before the request deadline"
+            ) from None
+
+    async def close(self) -> None:
+        """Stop taking requests, let queued ones finish (bounded), then stop the worker."""
+        self._closed = True
+        stop_at = time.monotonic() + CLOSE_GRACE_S
+        while (self._queue.qsize() or self._busy) and time.monotonic() < stop_at:
+            await asyncio.sleep(0.01)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        leftover = list(self._current)
+        while not self._queue.empty():
+            leftover.append(self._queue.get_nowait())
+        for job in leftover:
+            if not job.future.done():
+                job.future.set_exception(UnavailableError(f"the {self.name} path was closed"))
+        self._executor.shutdown(wait=False)
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            self._busy, self._current = True, batch  # busy from the first take: close waits
+            try:
+                await self._fill(batch)
+                self._set_depth()
+                live = self._live(batch)
+                if live:
+                    await self._compute_batch(live)
+            finally:
+                self._busy, self._current = False, []
+
+    async def _fill(self, batch: list[Job[P]]) -> None:
+        """Add queued jobs until the batch is full or max_wait has passed since the first."""
+        close_at = batch[0].enqueued + self.max_wait_s
+        while len(batch) < self.max_batch_size:
+            self._arrived.clear()
+            while len(batch) < self.max_batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            remaining = close_at - time.monotonic()
+            if len(batch) >= self.max_batch_size or remaining <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), timeout=remaining)
+
+    def _live(self, batch: list[Job[P]]) -> list[Job[P]]:
+        """Drop jobs whose caller went away or whose deadline passed."""
+        now = time.monotonic()
+        live = []
+        for job in batch:
+            if job.future.done():
+                self._count_skip("cancelled")
+            elif now >= job.deadline:
+                job.future.set_exception(
+                    DeadlineError(f"the request deadline passed in the {self.name} queue")
+                )
+                self._count_skip("deadline")
+            else:
+                live.append(job)
+        return live
+
+    async def _compute_batch(self, jobs: list[Job[P]]) -> None:
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(
+                self._executor, self._compute, [job.payload for job in jobs]
+            )
+        except Exception as exc:  # the path failed: every caller of this batch gets the error
+            for job in jobs:
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            return
+        finally:
+            elapsed = time.monotonic() - started
+            if self.batch_s_estimate == 0.0:
+                self.batch_s_estimate = elapsed
+            self.batch_s_estimate += EWMA_ALPHA * (elapsed - self.batch_s_estimate)
+        if self._metrics is not None:
+            self._metrics.batch_size.labels(route=self.name).observe(len(jobs))
+        for job, result in zip(jobs, results, strict=True):
+            if not job.future.done():
+                job.future.set_result(Completed(result, started - job.enqueued, len(jobs)))
+
+    def _set_depth(self) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_depth.labels(route=self.name).set(self._queue.qsize())
+
+    def _count_skip(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.skipped.labels(route=self.name, reason=reason).inc()
+
+
+def describe(batcher: Batcher[Any, Any]) -> dict[str, Any]:
+    return {
+        "max_batch_size": batcher.max_batch_size,
+        "max_wait_ms": batcher.max_wait_s * 1000.0,
+        "queue_depth": batcher.depth,
+        "batch_ms_estimate": round(batcher.batch_s_estimate * 1000.0, 3),
+    }

@@ -1,0 +1,191 @@
+"""ASGI middleware of the service: request ids and access logs, and request-body guards.
+
+- RequestContext: takes `X-Request-ID` from the caller (or makes one), exposes it to every
+  log line through a context variable, echoes it in the response, and logs one JSON access
+  line per request.
+- AdmissionGate: refuses retrieval requests beyond `max_in_flight` with an immediate 429
+  before any body is read or parsed, so shedding load costs next to nothing.
+- BodyGuard: reads POST bodies up to `max_body_bytes` (413 beyond, chunked bodies included)
+  and refuses bodies that are not UTF-8 (400), before any parsing; then replays the body.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+REQUEST_ID_HEADER = b"x-request-id"
+ARRIVAL_KEY = "r4t.arrival"  # time.monotonic() when the request reached the app
+MAX_REQUEST_ID_CHARS = 64
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "r4t_request_id", default=None
+)
+access_log = logging.getLogger("r4t.access")
+
+
+def current_request_id() -> str | None:
+    return request_id_var.get()
+
+
+def _caller_request_id(scope: Scope) -> str:
+    for name, value in scope.get("headers", []):
+        if name == REQUEST_ID_HEADER:
+            text = value.decode("latin-1")
+            if 0 < len(text) <= MAX_REQUEST_ID_CHARS and text.isprintable():
+                return text
+    return uuid.uuid4().hex
+
+
+class RequestContext:
+    """Request id in context and response headers; one access log line per request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _caller_request_id(scope)
+        token = request_id_var.set(request_id)
+        started = time.perf_counter()
+        scope[ARRIVAL_KEY] = time.monotonic()
+        status = {"code": 0}
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((REQUEST_ID_HEADER, request_id.encode("latin-1")))
+                message["headers"] = headers
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            access_log.info(
+                "request", extra={"http": {
+                    "method": scope.get("method"), "path": scope.get("path"),
+                    "status": status["code"],
+                    "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+                }},
+            )
+            request_id_var.reset(token)
+
+
+class AdmissionGate:
+    """At most `max_in_flight` retrieval requests at once; the rest get 429 at once."""
+
+    def __init__(
+        self, app: ASGIApp, max_in_flight: int, retry_after_s: int, prefix: str,
+        on_reject: Callable[[], None],
+    ) -> None:
+        self.app, self.max_in_flight, self.prefix = app, max_in_flight, prefix
+        self.retry_after = str(retry_after_s).encode()
+        self.on_reject = on_reject
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.max_in_flight:
+            self.on_reject()
+            await _refuse(send, 429, "OverloadError",
+                          f"{self.in_flight} requests in flight; retry shortly",
+                          [(b"retry-after", self.retry_after)])
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+class BodyGuard:
+    """Bounded, UTF-8-checked request bodies for POST/PUT/PATCH."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await _refuse(send, 413, "PayloadTooLarge",
+                          f"request body of {declared} bytes exceeds {self.max_body_bytes}")
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await _refuse(send, 413, "PayloadTooLarge",
+                              f"request body exceeds {self.max_body_bytes} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            await _refuse(send, 400, "InvalidEncoding",
+                          f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})")
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # later calls wait for the disconnect, as usual
+
+    return replay
+
+
+async def _refuse(
+    send: Send, status: int, kind: str, message: str,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    payload = {"error": {"type": kind, "message": message}, "request_id": current_request_id()}
+    body = json.dumps(payload).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()), *(extra_headers or [])]
+    if status == 413:  # the unread body makes the connection unusable
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

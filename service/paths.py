@@ -1,0 +1,220 @@
+"""The two retrieval paths. Each takes a batch of queries and returns, per query, k distinct
+items, the content-side groundedness of its probes and the batch's per-stage timings.
+
+- diffusion: encode → the exported sampler (whole solver loop in ONNX Runtime) → nearest
+  item per generated row → deduplicate (next-best neighbour on collisions);
+- autoregressive: the fan-out model (ONNX decoder with a KV cache, or an OpenAI-compatible
+  endpoint) → parse sub-queries → encode → nearest item per sub-query → deduplicate. A
+  malformed fan-out still yields k items: missing slots come from the query's dense
+  neighbours, and the answer says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from service.bundle import Bundle
+from service.encoder import Encoder, normalize
+from service.fanout import parse_fanout
+from service.selection import Selection, select_items
+
+
+@dataclass(frozen=True)
+class PathQuery:
+    text: str
+    k: int
+
+
+@dataclass
+class PathAnswer:
+    selection: Selection
+    groundedness: float
+    timings_s: dict[str, float]  # compute stages of the whole batch
+    notes: list[str] = field(default_factory=list)
+
+
+class StageClock:
+    """Wall time per named stage, measured lap by lap."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.timings[stage] = self.timings.get(stage, 0.0) + now - self._last
+        self._last = now
+
+
+class Sampler(Protocol):
+    """What service.sampler.DiffusionSampler provides (contract 4)."""
+
+    providers: list[str]
+    config: dict
+
+    def sample(self, query_emb: np.ndarray, seed: int | None = None) -> np.ndarray: ...
+
+
+class FanoutBackend(Protocol):
+    """Writes one fan-out completion per query (text in service.fanout's format)."""
+
+    name: str
+
+    def generate(self, queries: list[str]) -> list[str]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def select_by_k(
+    bundle: Bundle,
+    probes: list[np.ndarray],
+    queries: np.ndarray,
+    ks: list[int],
+    max_rounds: list[int | None] | None = None,
+) -> tuple[list[Selection], np.ndarray]:
+    """select_items for a batch whose queries may ask for different k."""
+    caps = max_rounds or [None] * len(ks)
+    selections: list[Selection | None] = [None] * len(ks)
+    grounded = np.zeros(len(ks), dtype=np.float32)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, k in enumerate(ks):
+        groups[k].append(i)
+    for k, members in groups.items():
+        chosen, g = select_items(
+            bundle.index, [probes[i] for i in members], queries[members], k,
+            [caps[i] for i in members],
+        )
+        for j, i in enumerate(members):
+            selections[i], grounded[i] = chosen[j], g[j]
+    return [s for s in selections if s is not None], grounded
+
+
+class DiffusionPath:
+    """Query embedding → generated rows (B, L, d) → k distinct nearest items."""
+
+    name = "diffusion"
+
+    def __init__(
+        self, bundle: Bundle, encoder: Encoder, sampler: Sampler, seed: int | None = None
+    ) -> None:
+        self.bundle, self.encoder, self.sampler, self.seed = bundle, encoder, sampler, seed
+
+    @property
+    def providers(self) -> list[str]:
+        return list(self.sampler.providers)
+
+    def describe(self) -> dict[str, Any]:
+        return {"providers": self.providers, "config": self.sampler.config}
+
+    def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
+        clock = StageClock()
+        queries = self.encoder.encode([q.text for q in batch])  # (B, d)
+        clock.lap("encode")
+        rows = np.asarray(self.sampler.sample(queries, seed=self.seed), dtype=np.float32)
+        if rows.ndim != 3 or rows.shape[0] != len(batch) or rows.shape[2] != queries.shape[1]:
+            raise RuntimeError(f"sampler returned shape {rows.shape}, expected (B, L, d)")
+        if not np.isfinite(rows).all():
+            raise RuntimeError("sampler returned non-finite rows")
+        rows = normalize(rows)  # (B, L, d) unit rows: inner product = cosine
+        clock.lap("solver")
+        selections, grounded = select_by_k(self.bundle, list(rows), queries, [q.k for q in batch])
+        clock.lap("search")
+        answers = []
+        for selection, g in zip(selections, grounded.tolist(), strict=True):
+            notes = [f"{selection.filled} slots filled from the query's dense neighbours"]
+            answers.append(PathAnswer(selection, g, {}, notes if selection.filled else []))
+        clock.lap("postprocess")
+        for answer in answers:
+            answer.timings_s = clock.timings
+        return answers
+
+
+class OnnxFanoutBackend:
+    """The bundle's fan-out model decoded by service.decoding.FanoutDecoder."""
+
+    name = "onnx"
+
+    def __init__(
+        self, decoder: Any, temperature: float, max_new_tokens: int, seed: int | None
+    ) -> None:
+        self.decoder, self.temperature = decoder, temperature
+        self.max_new_tokens, self.seed = max_new_tokens, seed
+
+    def generate(self, queries: list[str]) -> list[str]:
+        generations = self.decoder.generate(
+            queries, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+        )
+        return [g.text for g in generations]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": self.name, "providers": list(self.decoder.providers),
+            "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
+            "config": self.decoder.config,
+        }
+
+    def close(self) -> None:
+        return None
+
+
+class AutoregressivePath:
+    """Fan-out text → sub-queries → embeddings → k distinct nearest items."""
+
+    name = "ar"
+
+    def __init__(
+        self, bundle: Bundle, encoder: Encoder, backend: FanoutBackend, fanout_k: int
+    ) -> None:
+        self.bundle, self.encoder, self.backend, self.fanout_k = bundle, encoder, backend, fanout_k
+
+    @property
+    def providers(self) -> list[str]:
+        return list(self.backend.describe().get("providers", [self.backend.name]))
+
+    def describe(self) -> dict[str, Any]:
+        return {"fanout_k": self.fanout_k, **self.backend.describe()}
+
+    def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
+        clock = StageClock()
+        completions = self.backend.generate([q.text for q in batch])
+        if len(completions) != len(batch):
+            raise RuntimeError(f"{len(completions)} completions for {len(batch)} queries")
+        clock.lap("decode")
+        parsed = [parse_fanout(text, self.fanout_k) for text in completions]
+        subs = [[s for s, ok in zip(p.subqueries, p.valid, strict=True) if ok] for p in parsed]
+        flat = [q.text for q in batch] + [s for group in subs for s in group]
+        clock.lap("postprocess")
+        embedded = self.encoder.encode(flat)  # (B + ΣS, d)
+        clock.lap("encode")
+        queries, probes, start = embedded[: len(batch)], [], len(batch)
+        for group in subs:
+            probes.append(embedded[start : start + len(group)])  # (S_i, d)
+            start += len(group)
+        # A malformed fan-out's missing slots come from the query's own dense neighbours.
+        caps: list[int | None] = [None if p.well_formed else 1 for p in parsed]
+        selections, grounded = select_by_k(
+            self.bundle, probes, queries, [q.k for q in batch], caps
+        )
+        clock.lap("search")
+        answers = []
+        for p, group, selection, g in zip(parsed, subs, selections, grounded.tolist(), strict=True):
+            notes = []
+            if not p.well_formed:
+                usable = f"{len(group)} of {self.fanout_k}"
+                notes.append(f"malformed fan-out: {usable} sub-queries usable")
+            if selection.filled:
+                notes.append(f"{selection.filled} slots filled from the query's dense neighbours")
+            answers.append(PathAnswer(selection, g, {}, notes))
+        clock.lap("postprocess")
+        for answer in answers:
+            answer.timings_s = clock.timings
+        return answers

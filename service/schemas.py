@@ -1,0 +1,144 @@
+"""Request and response bodies of the HTTP API, with the examples shown in the OpenAPI schema.
+
+The caps here are the hard limits of the schema; `Settings` may lower them per deployment
+(the handler then answers 422 with the configured limit in the message).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_QUERY_CHARS = 1000
+MAX_K = 100
+MAX_BATCH_QUERIES = 64
+MAX_USER_ID_CHARS = 200
+
+Route = Literal["auto", "diffusion", "ar"]
+
+RETRIEVE_EXAMPLE = {"query": "camping gear", "k": 10, "route": "auto", "user_id": "user-42"}
+
+
+class RetrieveRequest(BaseModel):
+    """One broad query to fan out into k complementary catalog items."""
+
+    model_config = ConfigDict(
+        strict=True, extra="forbid", json_schema_extra={"examples": [RETRIEVE_EXAMPLE]}
+    )
+
+    query: str = Field(
+        min_length=1, max_length=MAX_QUERY_CHARS, description="Broad query text (not blank)."
+    )
+    k: int = Field(10, ge=1, le=MAX_K, description="Number of distinct items to return.")
+    route: Route = Field(
+        "auto", description="'auto' follows the A/B weights; 'diffusion'/'ar' force a path."
+    )
+    user_id: str | None = Field(
+        None, max_length=MAX_USER_ID_CHARS, description="Sticky A/B assignment key."
+    )
+
+    @field_validator("query")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        text = " ".join(value.split())
+        if not text:
+            raise ValueError("query must contain non-whitespace text")
+        return text
+
+
+class BatchRequest(BaseModel):
+    """Up to MAX_BATCH_QUERIES queries answered in one call, each as by /v1/retrieve."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"queries": [RETRIEVE_EXAMPLE, {"query": "kitchen utensils", "k": 5}]}]
+        },
+    )
+
+    queries: list[RetrieveRequest] = Field(min_length=1, max_length=MAX_BATCH_QUERIES)
+
+
+class Item(BaseModel):
+    id: str = Field(description="Catalog item id.")
+    text: str = Field(description="Catalog item text.")
+    score: float = Field(description="Cosine of the probe (generated row or sub-query) to it.")
+    slot: int | None = Field(
+        description="Which probe claimed it; null for a slot filled from the query's own "
+        "dense neighbours."
+    )
+
+
+class Fallback(BaseModel):
+    used: bool = Field(description="True when the AR path answered a diffusion request.")
+    reason: str | None = Field(
+        None, description="unavailable | error | deadline | quality (null when not used)."
+    )
+
+
+RESPONSE_EXAMPLE = {
+    "items": [
+        {"id": "02934451", "text": "tent, collapsible shelter: a portable shelter",
+         "score": 0.81, "slot": 0},
+    ],
+    "route": "diffusion",
+    "arm": "diffusion",
+    "fallback": {"used": False, "reason": None},
+    "bundle": "default",
+    "groundedness": 0.78,
+    "notes": [],
+    "timings_ms": {"queue": 1.2, "encode": 0.4, "solver": 6.1, "search": 2.3,
+                   "postprocess": 0.2, "total": 10.9},
+}
+
+
+class RetrieveResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [RESPONSE_EXAMPLE]})
+
+    items: list[Item] = Field(description="Exactly k distinct items.")
+    route: Literal["diffusion", "ar"] = Field(description="The path that answered.")
+    arm: str = Field(description="A/B arm: a route name, or 'override' when route was forced.")
+    fallback: Fallback
+    bundle: str = Field(description="Name of the bundle that answered.")
+    groundedness: float = Field(description="Mean cos of the probes to their nearest items.")
+    notes: list[str] = Field(default_factory=list, description="Anything worth knowing.")
+    timings_ms: dict[str, float] = Field(description="Milliseconds per stage, and total.")
+
+
+class BatchResponse(BaseModel):
+    results: list[RetrieveResponse]
+
+
+class ErrorBody(BaseModel):
+    type: str = Field(description="Error class, e.g. InputError, OverloadError.")
+    message: str
+    details: list[dict] | None = None
+
+
+class ErrorResponse(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"error": {"type": "OverloadError",
+                                                   "message": "diffusion queue is full"}}]}
+    )
+
+    error: ErrorBody
+    request_id: str | None = None
+
+
+class ReloadRequest(BaseModel):
+    model_config = ConfigDict(
+        strict=True, extra="forbid", json_schema_extra={"examples": [{"bundle": "models/v2"}]}
+    )
+
+    bundle: str | None = Field(None, description="Bundle folder; default: the served one.")
+    wait: bool = Field(False, description="Answer when the reload finished instead of 202.")
+
+
+class ReloadStatus(BaseModel):
+    state: Literal["idle", "loading", "succeeded", "failed"]
+    bundle: str | None = None
+    error: str | None = None
+    started: str | None = None
+    finished: str | None = None

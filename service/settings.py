@@ -1,0 +1,141 @@
+"""Service settings: environment variables with the `R4T_` prefix (or keyword arguments).
+
+Every field is documented here and in `GET /v1/info`; `Settings()` reads the environment,
+`Settings(bundle=...)` overrides it. Nothing is loaded at import time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.schemas import MAX_BATCH_QUERIES, MAX_K, MAX_QUERY_CHARS
+
+ROUTES = ("diffusion", "ar")
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """`"diffusion=0.9,ar=0.1"` → {"diffusion": 0.9, "ar": 0.1}; weights need not sum to 1."""
+    weights: dict[str, float] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in ROUTES:
+            raise ValueError(f"route weight {part.strip()!r}: expected <route>=<weight>, "
+                             f"route one of {ROUTES}")
+        weight = float(value)
+        if weight < 0:
+            raise ValueError(f"route weight for {name} must be >= 0, got {weight}")
+        weights[name] = weight
+    if not weights or sum(weights.values()) <= 0:
+        raise ValueError(f"route weights {text!r} must give some route a positive weight")
+    return weights
+
+
+class Settings(BaseSettings):
+    """Everything `r4t serve` can be configured with (env `R4T_<FIELD>`, case-insensitive)."""
+
+    model_config = SettingsConfigDict(env_prefix="R4T_", frozen=True, extra="ignore")
+
+    # --- bundle and runtimes
+    bundle: Path = Field(Path("models/default"), description="Bundle folder served at start-up.")
+    providers: str = Field(
+        "auto",
+        description="ONNX Runtime providers, comma-separated; 'auto' = CUDA when available, "
+        "else CPU.",
+    )
+    threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads (0 = its default).")
+    faiss_threads: int = Field(1, ge=1, description="OpenMP threads FAISS may use per search.")
+    seed: int | None = Field(None, description="Sampler/decoder seed (None = fresh randomness).")
+    # --- HTTP server
+    host: str = Field("127.0.0.1", description="Address uvicorn binds.")
+    port: int = Field(8000, ge=0, le=65535, description="Port uvicorn binds.")
+    log_level: str = Field("info", description="Log level of the JSON logs.")
+    admin_token: SecretStr | None = Field(
+        None, description="Bearer token of /admin/*; unset disables the admin API (403)."
+    )
+    # --- input limits
+    max_body_bytes: int = Field(
+        256 * 1024, ge=1024, description="Largest request body accepted (413 beyond)."
+    )
+    max_query_chars: int = Field(
+        MAX_QUERY_CHARS, ge=1, le=MAX_QUERY_CHARS, description="Longest query accepted (422)."
+    )
+    max_k: int = Field(MAX_K, ge=1, le=MAX_K, description="Largest k accepted (422).")
+    max_batch_queries: int = Field(
+        MAX_BATCH_QUERIES, ge=1, le=MAX_BATCH_QUERIES,
+        description="Most queries in one /v1/retrieve:batch call.",
+    )
+    # --- dynamic batching
+    max_batch_size: int = Field(32, ge=1, description="A batch closes at this many requests...")
+    max_wait_ms: float = Field(5.0, ge=0, description="...or this long after its first request.")
+    queue_size: int = Field(256, ge=1, description="Bounded queue per path; full → 429.")
+    request_timeout_ms: float = Field(
+        5000.0, gt=0, description="Deadline of a request from arrival; past it → 504."
+    )
+    retry_after_s: int = Field(1, ge=0, description="Retry-After header sent with a 429.")
+    max_in_flight: int = Field(
+        512, ge=1, description="Retrieval requests admitted at once; beyond, an immediate 429 "
+        "before the body is read (a batch call counts once).",
+    )
+    # --- routing and fallback
+    routes: str = Field(
+        "diffusion=0.9,ar=0.1", description="A/B weights of the arms, sticky per user_id."
+    )
+    groundedness_threshold: float = Field(
+        0.3, description="Diffusion answers whose mean cos(row, nearest item) is below this "
+        "fall back to the AR path (quality gate); -1 disables it.",
+    )
+    warmup_queries: int = Field(2, ge=1, description="Queries per warm-up batch of each path.")
+    # --- autoregressive path
+    ar_backend: Literal["auto", "onnx", "openai"] = Field(
+        "auto", description="'onnx' = the bundle's folm/ decoder, 'openai' = an "
+        "OpenAI-compatible endpoint, 'auto' = onnx when the bundle has it, else openai when "
+        "openai_base_url is set.",
+    )
+    fanout_k: int = Field(10, ge=1, description="Sub-queries the fan-out model writes per query.")
+    ar_temperature: float = Field(0.0, ge=0, description="0 = greedy decoding, else sampled.")
+    ar_max_new_tokens: int = Field(160, ge=1, description="Token budget of one fan-out.")
+    openai_base_url: str | None = Field(
+        None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1."
+    )
+    openai_model: str = Field("folm", description="Model name sent to the endpoint.")
+    openai_api_key: SecretStr | None = Field(None, description="Bearer key for the endpoint.")
+    openai_timeout_s: float = Field(10.0, gt=0, description="Per-attempt HTTP timeout.")
+    openai_retries: int = Field(2, ge=0, description="Retries after a failed attempt.")
+    openai_backoff_s: float = Field(0.2, ge=0, description="First retry delay; doubles.")
+    openai_max_connections: int = Field(8, ge=1, description="Connection pool size.")
+
+    @field_validator("routes")
+    @classmethod
+    def _valid_routes(cls, value: str) -> str:
+        parse_weights(value)
+        return value
+
+    @model_validator(mode="after")
+    def _queue_fits_batches(self) -> Settings:
+        if self.queue_size < self.max_batch_queries:
+            raise ValueError("queue_size must be >= max_batch_queries")
+        return self
+
+    @property
+    def route_weights(self) -> dict[str, float]:
+        return parse_weights(self.routes)
+
+    @property
+    def provider_list(self) -> list[str] | None:
+        """None lets the runtime choose (CUDA when available, else CPU)."""
+        if self.providers.strip().lower() == "auto":
+            return None
+        return [p.strip() for p in self.providers.split(",") if p.strip()]
+
+    def public(self) -> dict:
+        """The settings without secrets, for /v1/info and logs."""
+        data = self.model_dump(mode="json", exclude={"admin_token", "openai_api_key"})
+        data["admin_api"] = self.admin_token is not None
+        return data

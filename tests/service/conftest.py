@@ -1,0 +1,303 @@
+"""Service test fixtures: a small real serving bundle, a stand-in completion server, and live
+uvicorn servers on 127.0.0.1.
+
+The serving bundle is the session's small WordNet bundle (tests/conftest.py) plus a
+`diffusion/` stage holding a small hand-built but real ONNX sampler that follows contract 4:
+rows = normalize(noise · NOISE_SCALE + query), a stand-in for a trained solver loop.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import onnx
+import pytest
+import uvicorn
+from onnx import TensorProto, helper
+
+from service.app import create_app
+from service.bundle import commit_stage, config_hash, read_manifest
+from service.settings import Settings
+from training.benchmark import BenchmarkQuery
+
+ROWS = 10
+DIM = 128
+NOISE_SCALE = 0.05
+ADMIN_TOKEN = "test-admin-token"
+MALFORMED_MARK = "malformed"
+
+
+def sampler_graph(broken: bool = False, fail_above: int | None = None) -> onnx.ModelProto:
+    """query (B, d), noise (B, L, d) → rows (B, L, d) = normalize(noise·s + query).
+
+    broken=True reshapes the noise to an impossible shape: loads fine, fails on every run.
+    fail_above=n reads entry B-1 of a length-n vector: fails only on batches larger than n.
+    """
+    query = helper.make_tensor_value_info("query", TensorProto.FLOAT, ["B", DIM])
+    noise = helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["B", ROWS, DIM])
+    rows = helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["B", ROWS, DIM])
+    consts = [
+        helper.make_tensor("axis1", TensorProto.INT64, [1], [1]),
+        helper.make_tensor("scale", TensorProto.FLOAT, [], [NOISE_SCALE]),
+        helper.make_tensor("eps", TensorProto.FLOAT, [], [1e-12]),
+    ]
+    source = "noise"
+    nodes = []
+    if fail_above is not None:  # gather entry B-1 of a length-n vector of zeros
+        consts += [helper.make_tensor("zeros", TensorProto.FLOAT, [fail_above],
+                                      [0.0] * fail_above),
+                   helper.make_tensor("one", TensorProto.INT64, [1], [1])]
+        nodes += [
+            helper.make_node("Shape", ["noise"], ["batch"], end=1),  # (1,): B
+            helper.make_node("Sub", ["batch", "one"], ["last"]),  # (1,): B - 1
+            helper.make_node("Gather", ["zeros", "last"], ["zero"], axis=0),  # (1,) or error
+            helper.make_node("Add", ["noise", "zero"], ["noise_checked"]),  # (B, L, d)
+        ]
+        source = "noise_checked"
+    if broken:
+        consts.append(helper.make_tensor("tail", TensorProto.INT64, [2], [7, -1]))
+        nodes += [  # a shape known only at run time, so the model loads and then fails
+            helper.make_node("Shape", ["noise"], ["full"], end=1),  # (1,): B
+            helper.make_node("Concat", ["full", "tail"], ["bad_shape"], axis=0),  # [B, 7, -1]
+            helper.make_node("Reshape", ["noise", "bad_shape"], ["noise_bad"]),
+        ]
+        source = "noise_bad"
+    nodes += [
+        helper.make_node("Unsqueeze", ["query", "axis1"], ["q3"]),  # (B, 1, d)
+        helper.make_node("Mul", [source, "scale"], ["scaled"]),  # (B, L, d)
+        helper.make_node("Add", ["scaled", "q3"], ["shifted"]),  # (B, L, d)
+        helper.make_node("ReduceL2", ["shifted"], ["norm"], axes=[-1], keepdims=1),  # (B, L, 1)
+        helper.make_node("Max", ["norm", "eps"], ["safe"]),
+        helper.make_node("Div", ["shifted", "safe"], ["rows"]),
+    ]
+    graph = helper.make_graph(nodes, "toy_sampler", [query, noise], [rows], initializer=consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def add_diffusion_stage(
+    bundle_dir: Path, broken: bool = False, fail_above: int | None = None
+) -> None:
+    """Commit diffusion/sampler.onnx + diffusion/diffusion.json into the bundle."""
+    manifest = read_manifest(bundle_dir)
+    manifest["name"] = bundle_dir.name
+    staged = Path(tempfile.mkdtemp(prefix=".staging-diffusion-", dir=bundle_dir))
+    (staged / "diffusion").mkdir()
+    onnx.save(sampler_graph(broken, fail_above), staged / "diffusion" / "sampler.onnx")
+    config = {
+        "rows": ROWS, "k": ROWS, "dim": DIM, "solver": "none (test stand-in)", "steps": 0,
+        "cfg_weight": 0.0, "cfg_formula": "none", "sigma_min": 0.0, "sigma_max": NOISE_SCALE,
+        "params": 0, "flops_per_query": 4 * ROWS * DIM, "preset": "test-broken" if broken
+        else "test",
+    }
+    (staged / "diffusion" / "diffusion.json").write_text(json.dumps(config))
+    record = {"config": config, "config_hash": config_hash(config), "wall_s": 0.0}
+    files = ["diffusion/sampler.onnx", "diffusion/diffusion.json"]
+    commit_stage(bundle_dir, manifest, "diffusion", staged, files, record)
+
+
+@pytest.fixture(scope="session")
+def serving_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("serving") / "svc"
+    shutil.copytree(small_bundle_dir, target)
+    add_diffusion_stage(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def broken_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("serving") / "broken"
+    shutil.copytree(small_bundle_dir, target)
+    add_diffusion_stage(target, broken=True)
+    return target
+
+
+@pytest.fixture(scope="session")
+def fragile_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A sampler that works on batches of up to 2 queries and fails on larger ones."""
+    target = tmp_path_factory.mktemp("serving") / "fragile"
+    shutil.copytree(small_bundle_dir, target)
+    add_diffusion_stage(target, fail_above=2)
+    return target
+
+
+@pytest.fixture(scope="session")
+def benchmark_queries(small_sources: tuple[Path, Path]) -> list[BenchmarkQuery]:
+    _, benchmark = small_sources
+    queries = []
+    for line in benchmark.read_text().splitlines():
+        record = json.loads(line)
+        queries.append(BenchmarkQuery(record["query"], record["groups"], record.get("id")))
+    return queries
+
+
+@dataclass
+class CompletionServerState:
+    """What the stand-in endpoint answers, and how it misbehaves on request."""
+
+    fanouts: dict[str, list[str]]
+    delay_s: float = 0.0
+    fail_next: int = 0  # answer this many requests with 503 first
+    requests: int = 0
+    prompts: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def completion(self, prompt: str) -> str:
+        query = prompt.removeprefix("query: ").split("\nfan-out:", 1)[0]
+        if MALFORMED_MARK in query:
+            return "just one line\n\n\nthen garbage " + "x" * 300
+        lines = self.fanouts.get(query) or [f"{query} {n}" for n in range(1, 11)]
+        return "\n".join(lines)
+
+
+class _CompletionHandler(BaseHTTPRequestHandler):
+    state: CompletionServerState
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", 0))
+        body = json.loads(self.rfile.read(length))
+        with self.state.lock:
+            self.state.requests += 1
+            failing = self.state.fail_next > 0
+            self.state.fail_next -= int(failing)
+        if failing:
+            self._send(503, {"error": "warming up"})
+            return
+        time.sleep(self.state.delay_s)
+        prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        self.state.prompts.extend(prompts)
+        choices = [{"index": i, "text": self.state.completion(p), "finish_reason": "stop"}
+                   for i, p in enumerate(prompts)]
+        self._send(200, {"object": "text_completion", "model": body.get("model"),
+                         "choices": choices})
+
+    def _send(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+
+@dataclass
+class CompletionServer:
+    url: str
+    state: CompletionServerState
+
+
+@pytest.fixture(scope="session")
+def completion_server(
+    benchmark_queries: list[BenchmarkQuery], wordnet_synsets: dict
+) -> Iterator[CompletionServer]:
+    """An OpenAI-compatible /v1/completions stand-in on loopback (real HTTP).
+
+    For a benchmark query it answers with the first lemmas of ten of the query's direct
+    hyponym branches, i.e. a plausible fan-out; for any other query, "<query> 1..10".
+    """
+    fanouts = {}
+    for q in benchmark_queries:
+        heads = [g[0] for g in q.groups]
+        deeper = [member for g in q.groups for member in g[1:]]
+        lemmas = dict.fromkeys(wordnet_synsets[o].lemmas[0] for o in heads + deeper)
+        lemmas.pop(q.query, None)
+        fanouts[q.query] = list(lemmas)[:10]
+    state = CompletionServerState(fanouts=fanouts)
+    handler = type("Handler", (_CompletionHandler,), {"state": state})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield CompletionServer(f"http://127.0.0.1:{server.server_address[1]}/v1", state)
+    server.shutdown()
+    server.server_close()
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: Any
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30.0, **kwargs)
+
+
+def wait_ready(url: str, timeout_s: float = 120.0) -> None:
+    stop = time.monotonic() + timeout_s
+    while time.monotonic() < stop:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=5.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout_s} s")
+
+
+@contextmanager
+def live_server(settings: Settings, ready: bool = True) -> Iterator[LiveServer]:
+    """create_app(settings) under uvicorn on 127.0.0.1 (a free port), in a thread."""
+    app = create_app(settings)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        stop = time.monotonic() + 30
+        while not server.started and time.monotonic() < stop:
+            time.sleep(0.01)
+        if ready:
+            wait_ready(url)
+        yield LiveServer(url, app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def make_settings(bundle: Path, completion: CompletionServer | None, **overrides: Any
+                  ) -> Settings:
+    base: dict[str, Any] = {
+        "bundle": bundle, "threads": 1, "faiss_threads": 1, "warmup_queries": 2,
+        "routes": "diffusion=0.5,ar=0.5", "admin_token": ADMIN_TOKEN,
+        "openai_base_url": completion.url if completion else None,
+        "openai_backoff_s": 0.01, "groundedness_threshold": 0.0,
+    }
+    return Settings(**{**base, **overrides})
+
+
+@pytest.fixture(scope="session")
+def settings_for(
+    serving_bundle: Path, completion_server: CompletionServer
+) -> Callable[..., Settings]:
+    def build(bundle: Path | None = None, **overrides: Any) -> Settings:
+        return make_settings(bundle or serving_bundle, completion_server, **overrides)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def server(settings_for: Callable[..., Settings]) -> Iterator[LiveServer]:
+    """The main live service: both paths, 50/50 A/B, admin API on."""
+    with live_server(settings_for()) as live:
+        yield live

@@ -1,0 +1,146 @@
+"""The live service over HTTP: readiness, both routes, batch calls, A/B stickiness, metrics."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.service.conftest import MALFORMED_MARK, live_server, wait_ready
+
+
+def metric_samples(text: str, name: str) -> list:
+    return [s for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name]
+
+
+def assert_k_unique(body: dict, k: int) -> None:
+    ids = [item["id"] for item in body["items"]]
+    assert len(ids) == k
+    assert len(set(ids)) == k
+
+
+def test_readyz_is_503_until_warm_then_200(settings_for, completion_server):
+    completion_server.state.delay_s = 0.3  # AR warm-up takes >= 0.6 s
+    try:
+        with live_server(settings_for(), ready=False) as live, live.client() as client:
+            assert client.get("/healthz").status_code == 200
+            early = client.get("/readyz")
+            assert early.status_code == 503
+            assert early.json()["status"] == "loading"
+            refused = client.post("/v1/retrieve", json={"query": "tree"})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["type"] == "UnavailableError"
+            wait_ready(live.url)
+            ready = client.get("/readyz")
+            assert ready.status_code == 200
+            assert ready.json()["paths"] == ["ar", "diffusion"]
+    finally:
+        completion_server.state.delay_s = 0.0
+
+
+@pytest.mark.parametrize("route", ["diffusion", "ar"])
+def test_retrieve_returns_k_unique_items_on_both_routes(server, benchmark_queries, route):
+    with server.client() as client:
+        query = benchmark_queries[0].query
+        response = client.post("/v1/retrieve", json={"query": query, "route": route})
+    assert response.status_code == 200
+    body = response.json()
+    assert_k_unique(body, 10)
+    assert body["route"] == route and body["arm"] == "override"
+    assert body["fallback"] == {"used": False, "reason": None}
+    assert body["bundle"] == "svc"
+    assert {"queue", "encode", "search", "total"} <= set(body["timings_ms"])
+    assert ("solver" if route == "diffusion" else "decode") in body["timings_ms"]
+    assert 0.0 < body["groundedness"] <= 1.0
+    scores = [item["score"] for item in body["items"]]
+    assert all(-1.0 <= s <= 1.0 + 1e-5 for s in scores)
+
+
+@pytest.mark.parametrize("k", [1, 3, 25])
+def test_any_k_gives_k_distinct_items(server, k):
+    with server.client() as client:
+        for route in ("diffusion", "ar"):
+            response = client.post("/v1/retrieve", json={"query": "dog", "k": k, "route": route})
+            assert response.status_code == 200, response.text
+            assert_k_unique(response.json(), k)
+
+
+def test_ar_items_match_the_fanout_subqueries(server, benchmark_queries, completion_server):
+    query = benchmark_queries[1]
+    with server.client() as client:
+        body = client.post("/v1/retrieve", json={"query": query.query, "route": "ar"}).json()
+    assert f"query: {query.query}\nfan-out:\n" in completion_server.state.prompts
+    slots = [item["slot"] for item in body["items"]]
+    assert sorted(slots) == list(range(10))  # one item per sub-query, none filled
+    assert body["notes"] == []
+
+
+def test_malformed_fanout_still_returns_k_items_and_says_so(server):
+    with server.client() as client:
+        response = client.post(
+            "/v1/retrieve", json={"query": f"tent {MALFORMED_MARK}", "route": "ar", "k": 10}
+        )
+    assert response.status_code == 200
+    body = response.json()
+    assert_k_unique(body, 10)
+    assert any("malformed fan-out" in note for note in body["notes"])
+    assert any(item["slot"] is None for item in body["items"])  # filled from dense neighbours
+
+
+def test_batch_endpoint_answers_each_query(server, benchmark_queries):
+    queries = [{"query": q.query, "k": 5 + i, "route": "auto"}
+               for i, q in enumerate(benchmark_queries[:4])]
+    with server.client() as client:
+        response = client.post("/v1/retrieve:batch", json={"queries": queries})
+    assert response.status_code == 200
+    results = response.json()["results"]
+    assert len(results) == len(queries)
+    for i, result in enumerate(results):
+        assert_k_unique(result, 5 + i)
+
+
+def test_ab_assignment_is_sticky_per_user(server):
+    with server.client() as client:
+        def arm(user: str) -> str:
+            body = client.post("/v1/retrieve", json={"query": "fruit", "user_id": user}).json()
+            return body["arm"]
+
+        arms = {user: arm(user) for user in (f"user-{i}" for i in range(24))}
+        assert set(arms.values()) == {"diffusion", "ar"}  # 50/50 weights reach both arms
+        for user in list(arms)[:6]:
+            assert arm(user) == arms[user]
+
+
+def test_metrics_cover_requests_stages_batches_and_bundle(server):
+    with server.client() as client:
+        client.post("/v1/retrieve", json={"query": "vehicle", "route": "diffusion"})
+        text = client.get("/metrics").text
+    durations = metric_samples(text, "r4t_request_duration_seconds_count")
+    assert any(s.labels == {"route": "diffusion", "arm": "override", "status": "200"}
+               for s in durations)
+    stages = {s.labels["stage"] for s in metric_samples(text, "r4t_stage_duration_seconds_count")}
+    assert {"queue", "encode", "solver", "search", "decode"} <= stages
+    assert metric_samples(text, "r4t_batch_size_count")
+    info = metric_samples(text, "r4t_bundle_info")
+    assert info and "CPUExecutionProvider" in info[0].labels["provider"]
+    assert metric_samples(text, "r4t_queue_depth")
+    assert metric_samples(text, "r4t_in_flight")
+
+
+def test_info_reports_manifest_providers_and_routing(server):
+    with server.client() as client:
+        info = client.get("/v1/info").json()
+    served = info["served"]
+    assert served["bundle"]["manifest"]["stages"]["diffusion"]["config"]["rows"] == 10
+    assert "CPUExecutionProvider" in served["providers"]["diffusion"]
+    assert served["routing"]["weights"] == {"ar": 0.5, "diffusion": 0.5}
+    assert "admin_token" not in info["settings"] and info["settings"]["admin_api"] is True
+
+
+def test_request_id_is_echoed(server):
+    with server.client() as client:
+        response = client.post("/v1/retrieve", json={"query": "tree"},
+                               headers={"X-Request-ID": "abc-123"})
+        assert response.headers["x-request-id"] == "abc-123"
+        generated = client.get("/healthz").headers["x-request-id"]
+        assert len(generated) == 32
