@@ -182,6 +182,7 @@ class ServiceState:
         try:
             self.publish(await self.load(self.settings.bundle, strict=False))
             self.startup = "ready"
+            self.metrics.ready.set(1)
             log.info("ready", extra={"info": {"bundle": str(self.settings.bundle)}})
         except Exception as exc:
             self.startup, self.startup_error = "failed", f"{type(exc).__name__}: {exc}"
@@ -197,6 +198,7 @@ class ServiceState:
         try:
             old = self.publish(await self.load(bundle_dir, strict=True))
             self.startup, self.startup_error = "ready", None
+            self.metrics.ready.set(1)
             self.reload = self.reload.model_copy(update={"state": "succeeded"})
             self.metrics.reloads.labels(outcome="succeeded").inc()
             if old is not None:

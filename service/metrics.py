@@ -48,6 +48,7 @@ class Metrics:
             "r4t_queue_depth", "Requests waiting in a path's queue.", ("route",), registry=r
         )
         self.in_flight = Gauge("r4t_in_flight", "Retrieval requests being served.", registry=r)
+        self.ready = Gauge("r4t_ready", "1 once a bundle is loaded and warmed up.", registry=r)
         self.rejected = Counter(
             "r4t_rejected_requests", "Requests refused, by reason.", ("reason",), registry=r
         )
