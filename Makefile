@@ -10,9 +10,11 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 install: $(STAMP)
 
+# wordnet-base: the default catalog; prometheus: the real-Prometheus test and promtool.
 system-deps:
-	@[ -f /usr/share/wordnet/data.noun ] || ($(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq wordnet-base)
+	@[ -f /usr/share/wordnet/data.noun ] && command -v promtool >/dev/null || \
+	  ($(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	   $(SUDO) apt-get install -y -qq --no-install-recommends wordnet-base prometheus)
 
 # torch is pinned to the CPU wheel first so that nothing pulls a CUDA build.
 $(STAMP): pyproject.toml | system-deps

@@ -1,0 +1,92 @@
+"""Structural validation of the Kubernetes manifests, compose file and Grafana dashboard."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.metrics import Metrics
+from service.settings import Settings
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def k8s_documents() -> dict[str, dict]:
+    docs = {}
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            docs[doc["kind"]] = doc
+    return docs
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name the service's registry can expose (labels touched once)."""
+    metrics = Metrics()
+    for attribute in vars(metrics).values():
+        labelnames = getattr(attribute, "_labelnames", ())
+        if labelnames:
+            attribute.labels(*["x"] * len(labelnames))
+    text = generate_latest(metrics.registry).decode()
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_kustomization_lists_every_manifest():
+    listed = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())["resources"]
+    present = {p.name for p in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(listed) == present
+
+
+def test_deployment_probes_resources_and_ports():
+    docs = k8s_documents()
+    pod = docs["Deployment"]["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+    assert docs["Deployment"]["spec"]["selector"]["matchLabels"].items() <= pod["metadata"][
+        "labels"].items()
+    port_names = {p["name"] for p in container["ports"]}
+    assert docs["Service"]["spec"]["ports"][0]["targetPort"] in port_names
+    assert docs["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]["name"] == docs[
+        "Deployment"]["metadata"]["name"]
+    assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+
+
+def test_configmap_keys_are_real_settings():
+    data = k8s_documents()["ConfigMap"]["data"]
+    fields = {f"R4T_{name.upper()}" for name in Settings.model_fields}
+    assert set(data) <= fields, set(data) - fields
+    Settings(**{k.removeprefix("R4T_").lower(): v for k, v in data.items()})  # values validate
+
+
+def test_compose_services_and_mounts_exist():
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    assert {"r4t", "prometheus", "grafana"} <= set(compose["services"])
+    for service in compose["services"].values():
+        for volume in service.get("volumes", []):
+            assert (DEPLOY / volume.split(":")[0]).exists(), volume
+
+
+def test_dashboard_queries_only_exported_metrics():
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "r4t.json").read_text())
+    exported = exported_metric_names()
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            for name in re.findall(r"\br4t_[a-z_]+", target["expr"]):
+                assert name in exported, f"{panel['title']}: {name} is not exported"
+
+
+def test_alert_rules_query_only_exported_metrics():
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    exported = exported_metric_names()
+    for rule in rules["groups"][0]["rules"]:
+        for name in re.findall(r"\br4t_[a-z_]+", rule["expr"]):
+            assert name in exported, f"{rule['alert']}: {name} is not exported"
