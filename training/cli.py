@@ -76,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     table.set_defaults(func=cmd_table)
 
     from service.server import register as register_serve
+    from training import grpo, policy_export, synthesis
 
+    for module in (grpo, policy_export, synthesis):
+        module.register(sub)
     register_serve(sub)
     return parser
 

@@ -20,6 +20,7 @@ from service.bundle import REPORTS_DIR, Bundle
 from service.encoder import Encoder
 from service.reward import score_probes
 from training.benchmark import BenchmarkQuery, load_split
+from training.fanout_methods import FANOUT_METHODS
 from training.methods import BASELINES, Method, MethodOutput
 from training.metrics import group_hit_rate, precision, recall, set_vendi
 
@@ -30,7 +31,8 @@ METRICS = (
 BATCH = 64
 
 # name -> factory(bundle, k, **options) -> Method; later stages register their methods here.
-METHODS: dict[str, Callable[..., Method]] = dict(BASELINES)
+METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS}
+DIAGNOSTICS_DIR = "diagnostics"  # per-report extras kept apart so reports keep their exact shape
 
 
 def query_metrics(query: BenchmarkQuery, out: MethodOutput, i: int, bundle: Bundle) -> dict:
@@ -77,10 +79,13 @@ def evaluate(
             row = query_metrics(query, out, i, bundle)
             row.update(alignment=terms.alignment[i], groundedness=terms.ground[i])
             row["reward"] = terms.total[i]
+            row["distinct_subqueries"] = float(terms.n_valid[i])
             rows.append(row)
     metrics = {name: _mean([r[name] for r in rows]) for name in METRICS[:-1]}
     metrics["latency_ms_per_query"] = 1000.0 * elapsed / max(len(queries), 1)
-    return {"method": method, "split": split, "n_queries": len(queries), "k": k, "metrics": metrics}
+    diagnostics = {"distinct_subqueries": _mean([r["distinct_subqueries"] for r in rows])}
+    return {"method": method, "split": split, "n_queries": len(queries), "k": k,
+            "metrics": metrics, "diagnostics": diagnostics}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -91,8 +96,12 @@ def _mean(values: list[float]) -> float | None:
 def write_report(bundle_dir: Path, report: dict[str, Any]) -> Path:
     """Write the report JSON and refresh the markdown table of all reports."""
     directory = bundle_dir / REPORTS_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{report['method']}-{report['split']}.json"
+    (directory / DIAGNOSTICS_DIR).mkdir(parents=True, exist_ok=True)
+    report = dict(report)
+    name = f"{report['method']}-{report['split']}.json"
+    diagnostics = report.pop("diagnostics", {})
+    (directory / DIAGNOSTICS_DIR / name).write_text(json.dumps(diagnostics, indent=2) + "\n")
+    path = directory / name
     path.write_text(json.dumps(report, indent=2) + "\n")
     (directory / "README.md").write_text(results_table(bundle_dir))
     return path
@@ -101,11 +110,14 @@ def write_report(bundle_dir: Path, report: dict[str, Any]) -> Path:
 def results_table(bundle_dir: Path) -> str:
     """Markdown table of every report in the bundle's eval folder."""
     reports = [json.loads(p.read_text()) for p in sorted((bundle_dir / REPORTS_DIR).glob("*.json"))]
-    header = "| method | split | n | " + " | ".join(METRICS) + " |"
+    header = "| method | split | n | " + " | ".join(METRICS) + " | distinct sub-queries |"
     lines = [f"# Evaluation of bundle `{bundle_dir.name}`", "", header,
-             "|" + "---|" * (len(METRICS) + 3)]
+             "|" + "---|" * (len(METRICS) + 4)]
     for r in sorted(reports, key=lambda r: (r["split"], r["method"])):
+        extra = bundle_dir / REPORTS_DIR / DIAGNOSTICS_DIR / f"{r['method']}-{r['split']}.json"
+        distinct = json.loads(extra.read_text()) if extra.is_file() else {}
         cells = [_fmt(r["metrics"].get(name)) for name in METRICS]
+        cells.append(_fmt(distinct.get("distinct_subqueries")))
         head = f"| {r['method']} | {r['split']} | {r['n_queries']} | "
         lines.append(head + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,138 @@
+"""Autoregressive fan-out decoding with ONNX Runtime and a key/value cache (numpy only).
+
+Loads a bundle's `folm/` (or `folm-warmstart/`) folder: `model.onnx` (see
+training/policy_export.py for its inputs and outputs), `tokenizer.json` and `folm.json`.
+Prompts are left-padded; one prompt pass fills the cache, then one token per step for the
+whole batch until every row has produced <eos> or the token budget is spent.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from tokenizers import Tokenizer
+
+from service.errors import BundleError
+from service.fanout import build_prompt
+
+MODEL_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+FOLM_CONFIG = "folm.json"
+
+
+@dataclass
+class Generation:
+    text: str  # the completion, special tokens removed
+    n_tokens: int  # tokens generated, <eos> included when produced
+
+
+def sample_categorical(
+    logits: np.ndarray, temperature: float, generator: np.random.Generator
+) -> np.ndarray:
+    """Greedy when temperature is 0, else one draw from softmax(logits / T). (B, V) -> (B,)."""
+    if temperature <= 0.0:
+        return np.argmax(logits, axis=-1)
+    scaled = logits.astype(np.float32, copy=False) / np.float32(temperature)  # (B, V)
+    weights = np.exp(scaled - scaled.max(axis=-1, keepdims=True))  # (B, V) unnormalised
+    cdf = np.cumsum(weights, axis=-1)  # (B, V)
+    u = generator.random((logits.shape[0], 1), dtype=np.float32) * cdf[:, -1:]  # (B, 1)
+    picks = (cdf < u).sum(axis=-1)  # (B,) inverse-CDF draw
+    return np.minimum(picks, logits.shape[-1] - 1)
+
+
+class FanoutDecoder:
+    """ONNX Runtime decoder of a fan-out LM; no torch."""
+
+    def __init__(
+        self, folm_dir: Path, providers: list[str] | None = None, threads: int = 0
+    ) -> None:
+        folm_dir = Path(folm_dir)
+        for name in (MODEL_FILE, TOKENIZER_FILE, FOLM_CONFIG):
+            if not (folm_dir / name).is_file():
+                raise BundleError(f"{folm_dir} has no {name}: run `r4t export folm` first")
+        self.config: dict[str, Any] = json.loads((folm_dir / FOLM_CONFIG).read_text())
+        self.tokenizer = Tokenizer.from_file(str(folm_dir / TOKENIZER_FILE))
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        available = ort.get_available_providers()
+        chosen = [p for p in (providers or available) if p in available] or ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(
+            str(folm_dir / MODEL_FILE), options, providers=chosen
+        )
+        self.providers: list[str] = self.session.get_providers()
+        self.n_layers = int(self.config["n_layers"])
+
+    def _prompt_batch(self, queries: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Left-padded prompt ids and mask, both (B, P) int64."""
+        encoded = [e.ids for e in self.tokenizer.encode_batch([build_prompt(q) for q in queries])]
+        width = max(len(ids) for ids in encoded)
+        ids = np.full((len(encoded), width), self.config["pad_id"], dtype=np.int64)  # (B, P)
+        mask = np.zeros((len(encoded), width), dtype=np.int64)  # (B, P)
+        for i, row in enumerate(encoded):
+            ids[i, width - len(row) :] = row
+            mask[i, width - len(row) :] = 1
+        return ids, mask
+
+    def _empty_cache(self, batch: int) -> dict[str, np.ndarray]:
+        shape = (batch, int(self.config["n_kv_heads"]), 0, int(self.config["head_dim"]))
+        return {
+            f"{kind}.{i}": np.zeros(shape, dtype=np.float32)
+            for i in range(self.n_layers) for kind in ("past_key", "past_value")
+        }
+
+    def _step(
+        self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: dict[str, np.ndarray]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """One forward pass: last-position logits (B, V) and the grown cache."""
+        outputs = self.session.run(
+            None, {"input_ids": ids, "attention_mask": mask, "position_ids": positions, **past}
+        )
+        present = {}
+        for i in range(self.n_layers):
+            present[f"past_key.{i}"] = outputs[1 + 2 * i]  # (B, H_kv, P+T, Dh)
+            present[f"past_value.{i}"] = outputs[2 + 2 * i]
+        return outputs[0][:, -1, :], present  # (B, V)
+
+    def generate(
+        self,
+        queries: list[str],
+        temperature: float = 0.0,
+        max_new_tokens: int | None = None,
+        seed: int | None = None,
+    ) -> list[Generation]:
+        """Decode one completion per query (greedy at temperature 0)."""
+        if not queries:
+            return []
+        budget = int(max_new_tokens or self.config["max_new_tokens"])
+        eos, rng = int(self.config["eos_id"]), np.random.default_rng(seed)
+        ids, mask = self._prompt_batch(queries)
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)  # (B, P)
+        logits, past = self._step(ids, mask, positions, self._empty_cache(len(queries)))
+        next_pos = positions[:, -1:] + 1  # (B, 1)
+        tokens = np.zeros((len(queries), budget), dtype=np.int64)  # (B, budget)
+        done = np.zeros(len(queries), dtype=bool)
+        lengths = np.full(len(queries), budget, dtype=np.int64)
+        for step in range(budget):
+            token = sample_categorical(logits, temperature, rng)  # (B,)
+            token = np.where(done, eos, token)
+            tokens[:, step] = token
+            newly = (token == eos) & ~done
+            lengths[newly] = step + 1
+            done |= newly
+            if done.all() or step == budget - 1:
+                break
+            mask = np.concatenate([mask, np.ones((len(queries), 1), dtype=np.int64)], axis=1)
+            logits, past = self._step(token[:, None], mask, next_pos, past)
+            next_pos = next_pos + 1
+        return [self._finish(tokens[i, : lengths[i]], eos) for i in range(len(queries))]
+
+    def _finish(self, row: np.ndarray, eos: int) -> Generation:
+        body = row[:-1] if len(row) and row[-1] == eos else row
+        text = self.tokenizer.decode(body.tolist(), skip_special_tokens=True)
+        return Generation(text=text, n_tokens=len(row))

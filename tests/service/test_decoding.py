@@ -1,0 +1,110 @@
+"""ONNX Runtime decoding with a KV cache: same greedy output and logits as PyTorch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from service.decoding import FanoutDecoder, sample_categorical
+from service.fanout import build_prompt
+from training.policy import (
+    POLICY_PRESETS,
+    build_model,
+    config_dict,
+    hf_tokenizer,
+    load_policy,
+    save_policy,
+    tokenizer_corpus,
+    train_tokenizer,
+)
+from training.policy_export import export_folder
+
+PROMPTS = ["camping", "kitchen utensils", "a much longer query about musical instruments"]
+TEXTS = ["tent, camping tent: gear for camping", "whisk: a kitchen utensil",
+         "violin: a bowed musical instrument", "hammer: a hand tool"] * 10
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny random policy with large weights (so greedy output varies), exported."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("decoding")
+    tok = train_tokenizer(tokenizer_corpus(TEXTS, ["camping"]), 384)
+    config = POLICY_PRESETS["tiny"]
+    model = build_model(config, tok, seed=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.6)
+    save_policy(model, hf_tokenizer(tok, config.max_positions), root / "ckpt",
+                {"policy": config_dict(config)})
+    export_folder(root / "ckpt", root / "folm")
+    return root / "ckpt", root / "folm"
+
+
+def torch_greedy(checkpoint: Path, queries: list[str], budget: int) -> list[str]:
+    model, tokenizer = load_policy(checkpoint)
+    texts = []
+    for query in queries:  # one at a time: no padding on the reference side
+        enc = tokenizer([build_prompt(query)], return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=False, max_new_tokens=budget,
+                                 pad_token_id=tokenizer.pad_token_id)
+        texts.append(tokenizer.decode(out[0, enc["input_ids"].shape[1]:],
+                                      skip_special_tokens=True))
+    return texts
+
+
+def test_greedy_parity_with_pytorch(exported: tuple[Path, Path]) -> None:
+    checkpoint, folder = exported
+    decoder = FanoutDecoder(folder, threads=1)
+    budget = 20
+    onnx_texts = [g.text for g in decoder.generate(PROMPTS, max_new_tokens=budget)]  # batched
+    reference = torch_greedy(checkpoint, PROMPTS, budget)
+    assert onnx_texts == reference
+    assert len(set("".join(reference))) > 3  # the fixture's model does not just repeat a token
+
+
+def test_prompt_logits_match_pytorch(exported: tuple[Path, Path]) -> None:
+    checkpoint, folder = exported
+    decoder = FanoutDecoder(folder, threads=1)
+    ids, mask = decoder._prompt_batch(PROMPTS)  # left-padded (B, P)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    logits, past = decoder._step(ids, mask, positions, decoder._empty_cache(len(PROMPTS)))
+    model, _ = load_policy(checkpoint)
+    with torch.no_grad():
+        ref = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                    position_ids=torch.from_numpy(positions)).logits[:, -1].numpy()
+    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=1e-4)
+    assert past["past_key.0"].shape[2] == ids.shape[1]
+
+
+def test_graph_has_the_contract_io(exported: tuple[Path, Path]) -> None:
+    _, folder = exported
+    session = ort.InferenceSession(str(folder / "model.onnx"))
+    inputs = [i.name for i in session.get_inputs()]
+    outputs = [o.name for o in session.get_outputs()]
+    assert inputs[:3] == ["input_ids", "attention_mask", "position_ids"]
+    assert "past_key.1" in inputs and "past_value.0" in inputs
+    assert outputs[0] == "logits" and "present_value.1" in outputs
+
+
+def test_sampling_is_seeded_and_budgeted(exported: tuple[Path, Path]) -> None:
+    _, folder = exported
+    decoder = FanoutDecoder(folder, threads=1)
+    a = decoder.generate(PROMPTS, temperature=0.9, max_new_tokens=8, seed=1)
+    b = decoder.generate(PROMPTS, temperature=0.9, max_new_tokens=8, seed=1)
+    assert [g.text for g in a] == [g.text for g in b]
+    assert all(1 <= g.n_tokens <= 8 for g in a)
+    assert decoder.generate([]) == []
+
+
+def test_sample_categorical_greedy_and_distribution() -> None:
+    logits = np.log(np.array([[0.7, 0.2, 0.1]] * 4000))
+    assert (sample_categorical(logits, 0.0, np.random.default_rng(0)) == 0).all()
+    draws = sample_categorical(logits, 1.0, np.random.default_rng(0))
+    assert abs((draws == 0).mean() - 0.7) < 0.03 and abs((draws == 2).mean() - 0.1) < 0.02

@@ -1,0 +1,396 @@
+"""Stage 1: GRPO of the fan-out LM on the composite reward, with TRL's `GRPOTrainer`.
+
+Reward functions (one per term, built on `service.reward`): groundedness, diversity (Vendi)
+and alignment, weighted 0.6/0.2/0.2 (paper §2.2); GRPO normalises the weighted sum within
+each group of 8 completions. KL: TRL's per-token k3 estimator of the reverse KL(π‖π_ref),
+exp(r) − r − 1 with r = log π_ref − log π, added to the loss with weight `beta` against the
+frozen warm-start policy (the paper's Soft-GRPO used forward and reverse KL; we use reverse).
+Ablations: `--reward ground`, `ground+align` or `all` (the default) select which terms count.
+
+Run directory `models/<bundle>/runs/folm-<reward>/`: config.json, checkpoint-*/ (resumable),
+final/ (HF checkpoint), curves.json and curves.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.bundle import Bundle, git_commit, load_bundle
+from service.encoder import Encoder
+from service.fanout import ParsedFanout, build_prompt, parse_fanout
+from service.index import search
+from service.reward import RewardTerms, RewardWeights, score_probes
+
+REWARD_MODES: dict[str, tuple[str, ...]] = {
+    "ground": ("ground",),
+    "ground+align": ("ground", "alignment"),
+    "all": ("ground", "diversity", "alignment"),
+}
+TERM_WEIGHTS = {"ground": 0.6, "diversity": 0.2, "alignment": 0.2}
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    preset: str = "cpu"
+    reward: str = "all"
+    steps: int = 600
+    queries_per_step: int = 4  # prompts per step; completions = queries × num_generations
+    num_generations: int = 8  # the paper's group size
+    lr: float = 1e-4
+    beta: float = 0.04  # KL weight against the warm start
+    temperature: float = 1.0
+    warmup_steps: int = 10
+    save_steps: int = 50
+    seed: int = 0
+    threads: int = 1
+
+
+GRPO_PRESETS: dict[str, GrpoConfig] = {
+    "tiny": GrpoConfig(preset="tiny", steps=1, queries_per_step=2, num_generations=4,
+                       save_steps=1, threads=1, lr=1e-2, warmup_steps=0),
+    "cpu": GrpoConfig(),
+}
+
+
+def embed_subqueries(
+    encoder: Encoder, parsed: list[ParsedFanout], fallback: np.ndarray | None = None
+) -> np.ndarray:
+    """(G, k, d) sub-query embeddings; invalid slots are zero or the fallback (G, d) row."""
+    k = len(parsed[0].subqueries) if parsed else 0
+    probes = np.zeros((len(parsed), k, encoder.dim), dtype=np.float32)  # (G, k, d)
+    if fallback is not None:
+        probes[:] = fallback[:, None, :]
+    where = [(g, s) for g, p in enumerate(parsed) for s in range(k) if p.valid[s]]
+    if where:
+        vectors = encoder.encode([parsed[g].subqueries[s] for g, s in where])  # (n, d)
+        gi, si = (np.array(a) for a in zip(*where, strict=True))
+        probes[gi, si] = vectors
+    return probes
+
+
+class FanoutScorer:
+    """Parse → embed → score completions; memoises the last batch for the three reward fns."""
+
+    def __init__(self, bundle: Bundle, encoder: Encoder, k: int) -> None:
+        self.bundle, self.encoder, self.k = bundle, encoder, k
+        self._query_cache: dict[str, np.ndarray] = {}
+        self._last: tuple[tuple[str, ...], RewardTerms, list[ParsedFanout]] | None = None
+
+    def query_embeddings(self, queries: list[str]) -> np.ndarray:
+        missing = [q for q in dict.fromkeys(queries) if q not in self._query_cache]
+        if missing:
+            self._query_cache.update(zip(missing, self.encoder.encode(missing), strict=True))
+        return np.stack([self._query_cache[q] for q in queries])  # (G, d)
+
+    def score(self, queries: list[str], completions: list[str]) -> tuple[RewardTerms, list]:
+        key = (*queries, "\x00", *completions)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1], self._last[2]
+        parsed = [parse_fanout(c, self.k) for c in completions]
+        probes = embed_subqueries(self.encoder, parsed)  # (G, k, d)
+        valid = np.stack([p.valid for p in parsed])  # (G, k)
+        terms = score_probes(self.bundle.index, self.bundle.items.embeddings,
+                             self.query_embeddings(queries), probes, valid, RewardWeights())
+        self._last = (key, terms, parsed)
+        return terms, parsed
+
+
+def reward_functions(scorer: FanoutScorer, mode: str) -> tuple[list[Callable], list[float]]:
+    """TRL reward functions f(prompts, completions, query=..., **kw) -> list[float] + weights."""
+
+    def make(term: str) -> Callable[..., list[float]]:
+        def reward(prompts: list[str], completions: list[str], query: list[str],
+                   **kwargs: Any) -> list[float]:
+            terms, parsed = scorer.score(list(query), list(completions))
+            log = kwargs.get("log_metric")
+            if log is not None and term == "ground":
+                log("distinct_subqueries", float(np.mean([p.valid.sum() for p in parsed])))
+                log("well_formed", float(np.mean([p.well_formed for p in parsed])))
+                log("composite", float(terms.total.mean()))
+                for name in TERM_WEIGHTS:  # every term, trained on or not (ablations)
+                    log(f"score/{name}", float(getattr(terms, name).mean()))
+            return [float(v) for v in getattr(terms, term)]
+
+        reward.__name__ = term
+        return reward
+
+    terms = REWARD_MODES[mode]
+    return [make(t) for t in terms], [TERM_WEIGHTS[t] for t in terms]
+
+
+def run_dir_for(bundle_dir: Path, mode: str) -> Path:
+    return bundle_dir / "runs" / f"folm-{mode.replace('+', '-')}"
+
+
+def trl_config(config: GrpoConfig, run_dir: Path, max_new_tokens: int, weights: list[float]):
+    """GRPOConfig with the CPU overrides of NOTES.md (fp32, no checkpointing, no reporting)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(run_dir), max_steps=config.steps, learning_rate=config.lr,
+        per_device_train_batch_size=config.queries_per_step * config.num_generations,
+        num_generations=config.num_generations, max_completion_length=max_new_tokens,
+        temperature=config.temperature, beta=config.beta, reward_weights=weights,
+        logging_steps=1, save_steps=config.save_steps, save_total_limit=2, seed=config.seed,
+        bf16=False, fp16=False, activation_checkpointing=False, use_cpu=True, report_to="none",
+        dataloader_num_workers=0, lr_scheduler_type="constant_with_warmup",
+        warmup_steps=config.warmup_steps, disable_tqdm=False, save_only_model=False,
+    )
+
+
+def train_grpo(
+    bundle_dir: Path, config: GrpoConfig, init: Path, run_dir: Path | None = None,
+    queries: list[str] | None = None,
+) -> Path:
+    """Run (or resume) GRPO from the warm-start checkpoint `init`; returns final/."""
+    import torch
+    from datasets import Dataset
+    from transformers.trainer_utils import get_last_checkpoint
+    from trl import GRPOTrainer
+
+    from training.benchmark import query_texts
+    from training.policy import load_policy, policy_meta, save_policy
+
+    started = time.perf_counter()
+    torch.set_num_threads(config.threads)
+    run_dir = run_dir or run_dir_for(bundle_dir, config.reward)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    queries = queries if queries is not None else query_texts(bundle_dir, "train")
+    meta = policy_meta(init)
+    policy = meta.get("policy", {})
+    model, tokenizer = load_policy(init)
+    bundle = load_bundle(bundle_dir)
+    scorer = FanoutScorer(bundle, Encoder(bundle.encoder_config), int(policy.get("k", 10)))
+    funcs, weights = reward_functions(scorer, config.reward)
+    record = {"stage": "grpo", "config": asdict(config), "init": str(init), "policy": policy,
+              "n_training_queries": len(queries), "kl": "k3 estimator of reverse KL, TRL",
+              "reward_terms": dict(zip(REWARD_MODES[config.reward], weights, strict=True)),
+              "seed": config.seed, "git_commit": git_commit()}
+    (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    data = Dataset.from_dict({"prompt": [build_prompt(q) for q in queries], "query": queries})
+    args = trl_config(config, run_dir, int(policy.get("max_new_tokens", 48)), weights)
+    trainer = GRPOTrainer(model=str(init), reward_funcs=funcs, args=args, train_dataset=data,
+                          processing_class=tokenizer)
+    del model
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(str(run_dir)))
+    wall = time.perf_counter() - started
+    history = trainer.state.log_history
+    write_curves(run_dir, history, REWARD_MODES[config.reward])
+    steps = trainer.state.global_step
+    ledger = {"steps": steps, "completions": steps * args.per_device_train_batch_size,
+              "wall_s": round(wall, 1)}
+    final_meta = {**meta, **record, "wall_s": round(wall, 1), "ledger": ledger}
+    save_policy(trainer.model, tokenizer, run_dir / "final", final_meta)
+    (run_dir / "config.json").write_text(json.dumps(final_meta, indent=2, default=str) + "\n")
+    print(f"GRPO ({config.reward}): {trainer.state.global_step} steps, wall {wall:.0f} s "
+          f"-> {run_dir / 'final'}")
+    return run_dir / "final"
+
+
+def write_curves(run_dir: Path, history: list[dict], terms: tuple[str, ...]) -> None:
+    """curves.json (per step: reward terms, composite, KL, distinct) and curves.png."""
+    keys = {"reward": "reward", "kl": "kl", "composite": "composite",
+            "distinct": "distinct_subqueries", "well_formed": "well_formed"}
+    keys.update({t: f"score/{t}" for t in TERM_WEIGHTS})
+    rows = [h for h in history if "reward" in h]
+    curves: dict[str, list] = {"step": [h.get("step") for h in rows]}
+    for name, key in keys.items():
+        curves[name] = [h.get(key) for h in rows]
+    (run_dir / "curves.json").write_text(json.dumps(curves) + "\n")
+    plot_curves(curves, run_dir / "curves.png", terms)
+
+
+def plot_curves(curves: dict[str, list], path: Path, terms: tuple[str, ...]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    steps = curves["step"]
+    for name in ("composite", *TERM_WEIGHTS):
+        style = "-" if name == "composite" or name in terms else ":"
+        axes[0].plot(steps, _smooth(curves.get(name, [])), style, label=name)
+    axes[0].set_title(f"reward terms, smoothed\n(trained on {'+'.join(terms)}; dotted: not)",
+                      fontsize=10)
+    axes[0].legend()
+    axes[1].plot(steps, _smooth(curves.get("kl", [])))
+    axes[1].set_title("KL to warm start (k3)")
+    axes[2].plot(steps, _smooth(curves.get("distinct", [])))
+    axes[2].set_title("distinct valid sub-queries / 10")
+    for ax in axes:
+        ax.set_xlabel("GRPO step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _smooth(values: list, window: int = 10) -> list[float]:
+    array = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+    if len(array) < window:
+        return array.tolist()
+    kernel = np.ones(window) / window
+    padded = np.concatenate([np.full(window - 1, array[0]), array])
+    return np.convolve(padded, kernel, mode="valid").tolist()
+
+
+def policy_fanouts(
+    checkpoint: Path, queries: list[str], max_new_tokens: int, temperature: float = 1.0,
+    seed: int = 0,
+) -> list[str]:
+    """One completion per query from a HF checkpoint (sampled; greedy at temperature 0)."""
+    import torch
+
+    from training.policy import load_policy
+
+    model, tokenizer = load_policy(checkpoint)
+    torch.manual_seed(seed)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} \
+        if temperature > 0 else {"do_sample": False}
+    texts: list[str] = []
+    for start in range(0, len(queries), 64):
+        batch = [build_prompt(q) for q in queries[start : start + 64]]
+        enc = tokenizer(batch, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, **sampling)
+        texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :],
+                                        skip_special_tokens=True)
+    return texts
+
+
+def collapse_signatures(
+    scorer: FanoutScorer, queries: list[str], completions: list[str]
+) -> dict[str, Any]:
+    """The paper's collapse modes, measured: nonsense near one item; paraphrases of the query."""
+    from training.policy import item_name
+
+    terms, parsed = scorer.score(queries, completions)
+    names = {item_name(t).lower() for t in scorer.bundle.items.texts}
+    probes = embed_subqueries(scorer.encoder, parsed)  # (G, k, d)
+    _, rows = search(scorer.bundle.index, probes.reshape(-1, probes.shape[-1]), 1)
+    rows = rows[:, 0].reshape(len(parsed), -1)  # (G, k)
+    subs = [(q.lower(), s.lower()) for q, p in zip(queries, parsed, strict=True)
+            for s, v in zip(p.subqueries, p.valid, strict=True) if v]
+    top_share = [np.unique(r[p.valid], return_counts=True)[1].max() / scorer.k
+                 if p.valid.any() else 1.0 for r, p in zip(rows, parsed, strict=True)]
+    return {
+        "composite": float(terms.total.mean()), "ground": float(terms.ground.mean()),
+        "diversity": float(terms.diversity.mean()), "alignment": float(terms.alignment.mean()),
+        "distinct_subqueries": float(terms.n_valid.mean()),
+        "well_formed": float(np.mean([p.well_formed for p in parsed])),
+        "top_item_share": float(np.mean(top_share)),
+        "non_catalog_name_share": float(np.mean([s not in names for _, s in subs])) if subs
+        else 1.0,
+        "repeated_word_share": float(np.mean([len(set(s.split())) < len(s.split())
+                                              for _, s in subs])) if subs else 0.0,
+        "contains_query_share": float(np.mean([q in s for q, s in subs])) if subs else 0.0,
+        "examples": [{"query": q, "fanout": c.split("\n")}
+                     for q, c in list(zip(queries, completions, strict=True))[:3]],
+    }
+
+
+def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int = 64) -> Path:
+    """Sampled fan-outs (T=1, the GRPO temperature) of each run on val query texts.
+
+    Writes runs/ablation/report.{json,md}.
+    """
+    from training.benchmark import query_texts
+    from training.policy import policy_meta
+
+    bundle = load_bundle(bundle_dir)
+    scorer = FanoutScorer(bundle, Encoder(bundle.encoder_config), 10)
+    queries = query_texts(bundle_dir, "val")[:limit]
+    report = {}
+    for name, checkpoint in checkpoints.items():
+        budget = int(policy_meta(checkpoint).get("policy", {}).get("max_new_tokens", 48))
+        completions = policy_fanouts(checkpoint, queries, budget)
+        report[name] = collapse_signatures(scorer, queries, completions)
+    out = bundle_dir / "runs" / "ablation"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(ablation_markdown(report, len(queries)))
+    print((out / "report.md").read_text())
+    return out
+
+
+def ablation_markdown(report: dict[str, dict], n: int) -> str:
+    cols = ["composite", "ground", "diversity", "alignment", "distinct_subqueries",
+            "top_item_share", "non_catalog_name_share", "repeated_word_share",
+            "contains_query_share"]
+    lines = [f"# Reward ablation: sampled fan-outs (T=1) on {n} val queries", "",
+             "| run | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, row in report.items():
+        lines.append(f"| {name} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |")
+    lines += ["", "Collapse signatures: groundedness alone → high top_item_share and "
+              "non_catalog_name_share/repeated_word_share (nonsense near one item); "
+              "+alignment → high contains_query_share (paraphrases of the query).", ""]
+    for name, row in report.items():
+        ex = row["examples"][0]
+        lines.append(f"- **{name}** — `{ex['query']}`: " + " / ".join(ex["fanout"][:10]))
+    return "\n".join(lines) + "\n"
+
+
+def resolve_config(preset: str, **overrides: Any) -> GrpoConfig:
+    base = GRPO_PRESETS[preset]
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def cmd_train_folm(args: argparse.Namespace) -> None:
+    from training.warmstart import resolve_config as warm_config
+    from training.warmstart import warm_start
+
+    started = time.perf_counter()
+    init = Path(args.init) if args.init else warm_start(
+        args.bundle, warm_config(args.preset, threads=args.threads), force=args.force_warmstart)
+    if args.warmstart_only:
+        return
+    ablation = args.reward == "ablation"
+    modes = list(REWARD_MODES) if ablation else [args.reward]
+    finals = {}
+    for mode in modes:
+        steps = args.steps or (args.ablation_steps if ablation else None)
+        config = resolve_config(args.preset, reward=mode, steps=steps, threads=args.threads,
+                                lr=args.lr, beta=args.beta, temperature=args.temperature)
+        run_dir = args.bundle / "runs" / "ablation" / mode if ablation else None
+        finals[mode] = train_grpo(args.bundle, config, init, run_dir)
+    if ablation:
+        ablation_report(args.bundle, {"warm start": init, **finals})
+    print(f"stage 1 wall time (this invocation): {time.perf_counter() - started:.0f} s")
+
+
+def subcommand_group(
+    sub: argparse._SubParsersAction, name: str, help_text: str
+) -> argparse._SubParsersAction:
+    """The subcommands of `r4t <name>`: created once, shared by the stages that add to it."""
+    parser = sub.choices.get(name) or sub.add_parser(name, help=help_text)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    return parser.add_subparsers(dest="what", required=True)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """`r4t train folm [--preset cpu|tiny] [--reward ground|ground+align|all|ablation]`."""
+    what = subcommand_group(sub, "train", "train models")
+    folm = what.add_parser("folm", help="warm start + GRPO of the fan-out LM")
+    folm.add_argument("--preset", default="cpu", choices=sorted(GRPO_PRESETS))
+    folm.add_argument("--reward", default="all", choices=[*REWARD_MODES, "ablation"])
+    folm.add_argument("--steps", type=int, default=None, help="GRPO steps (preset default)")
+    folm.add_argument("--ablation-steps", type=int, default=150)
+    folm.add_argument("--lr", type=float, default=None, help="GRPO learning rate")
+    folm.add_argument("--beta", type=float, default=None, help="KL weight to the warm start")
+    folm.add_argument("--temperature", type=float, default=None, help="GRPO sampling T")
+    folm.add_argument("--init", default=None, help="start from this HF checkpoint folder")
+    folm.add_argument("--warmstart-only", action="store_true")
+    folm.add_argument("--force-warmstart", action="store_true", help="retrain the warm start")
+    folm.add_argument("--threads", type=int, default=None, help="torch threads (preset: 1)")
+    folm.set_defaults(func=cmd_train_folm)
