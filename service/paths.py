@@ -143,8 +143,10 @@ class OnnxFanoutBackend:
     name = "onnx"
 
     def __init__(
-        self, decoder: Any, temperature: float, max_new_tokens: int, seed: int | None
+        self, decoder: Any, temperature: float | None, max_new_tokens: int, seed: int | None
     ) -> None:
+        if temperature is None:
+            temperature = float(decoder.config.get("temperature", 0.0))
         self.decoder, self.temperature = decoder, temperature
         self.max_new_tokens, self.seed = max_new_tokens, seed
 

@@ -79,7 +79,7 @@ def _ar_backend(settings: Settings, bundle: Bundle, loaders: Loaders) -> tuple[F
             base_url=settings.openai_base_url, model=settings.openai_model, api_key=key,
             timeout_s=settings.openai_timeout_s, retries=settings.openai_retries,
             backoff_s=settings.openai_backoff_s, max_connections=settings.openai_max_connections,
-            temperature=settings.ar_temperature, max_tokens=settings.ar_max_new_tokens,
+            temperature=settings.ar_temperature or 0.0, max_tokens=settings.ar_max_new_tokens,
         )
         return OpenAICompletionBackend(config), settings.fanout_k
     raise BundleError(f"bundle has no {DECODER_FILE} and R4T_OPENAI_BASE_URL is not set")

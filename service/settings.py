@@ -99,7 +99,11 @@ class Settings(BaseSettings):
         "openai_base_url is set.",
     )
     fanout_k: int = Field(10, ge=1, description="Sub-queries the fan-out model writes per query.")
-    ar_temperature: float = Field(0.0, ge=0, description="0 = greedy decoding, else sampled.")
+    ar_temperature: float | None = Field(
+        None, ge=0, description="0 = greedy decoding, else sampled; None = the temperature the "
+        "bundle's fan-out model was trained to sample at (folm.json; small policies repeat one "
+        "line under greedy decoding).",
+    )
     ar_max_new_tokens: int = Field(160, ge=1, description="Token budget of one fan-out.")
     openai_base_url: str | None = Field(
         None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1."
