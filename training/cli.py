@@ -35,6 +35,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from service.encoder import Encoder
     from training.evaluation import METHODS, evaluate, results_table, write_report
 
+    if args.steps_curve:
+        from training.diffusion_methods import run_steps_curve
+
+        run_steps_curve(args.bundle, args.split, args.k, args.limit)
+        return
     bundle = load_bundle(args.bundle)
     encoder = Encoder(bundle.encoder_config)
     names = sorted(METHODS) if args.method == "all" else args.method.split(",")
@@ -70,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--k", type=int, default=10)
     ev.add_argument("--limit", type=int, default=None, help="first N queries of the split")
     ev.add_argument("--mmr-lambda", type=float, default=0.7)
+    ev.add_argument("--steps-curve", action="store_true",
+                    help="diffusion quality and ms/query for 4-256 solver steps instead")
     ev.set_defaults(func=cmd_eval)
 
     table = sub.add_parser("table", help="print the bundle's evaluation table")
@@ -77,9 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from service.server import register as register_serve
     from training import grpo, policy_export, synthesis
+    from training.commands import register_diffusion
 
     for module in (grpo, policy_export, synthesis):
         module.register(sub)
+    register_diffusion(sub)
     register_serve(sub)
     return parser
 

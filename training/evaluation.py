@@ -20,6 +20,7 @@ from service.bundle import REPORTS_DIR, Bundle
 from service.encoder import Encoder
 from service.reward import score_probes
 from training.benchmark import BenchmarkQuery, load_split
+from training.diffusion_methods import diffusion
 from training.fanout_methods import FANOUT_METHODS
 from training.methods import BASELINES, Method, MethodOutput
 from training.metrics import group_hit_rate, precision, recall, set_vendi
@@ -31,7 +32,8 @@ METRICS = (
 BATCH = 64
 
 # name -> factory(bundle, k, **options) -> Method; later stages register their methods here.
-METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS}
+METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS,
+                                             "diffusion": diffusion}
 DIAGNOSTICS_DIR = "diagnostics"  # per-report extras kept apart so reports keep their exact shape
 
 

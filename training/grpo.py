@@ -28,6 +28,7 @@ from service.encoder import Encoder
 from service.fanout import ParsedFanout, build_prompt, parse_fanout
 from service.index import search
 from service.reward import RewardTerms, RewardWeights, score_probes
+from training.commands import subcommand_group
 
 REWARD_MODES: dict[str, tuple[str, ...]] = {
     "ground": ("ground",),
@@ -365,17 +366,6 @@ def cmd_train_folm(args: argparse.Namespace) -> None:
     if ablation:
         ablation_report(args.bundle, {"warm start": init, **finals})
     print(f"stage 1 wall time (this invocation): {time.perf_counter() - started:.0f} s")
-
-
-def subcommand_group(
-    sub: argparse._SubParsersAction, name: str, help_text: str
-) -> argparse._SubParsersAction:
-    """The subcommands of `r4t <name>`: created once, shared by the stages that add to it."""
-    parser = sub.choices.get(name) or sub.add_parser(name, help=help_text)
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action
-    return parser.add_subparsers(dest="what", required=True)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from service.bundle import commit_stage, config_hash, git_commit, read_manifest
 from service.decoding import FOLM_CONFIG, MODEL_FILE, TOKENIZER_FILE
-from training.grpo import subcommand_group
+from training.commands import subcommand_group
 
 OPSET = 18
 FOLDERS = {"folm": "folm", "folm-warmstart": "folm-warmstart"}

@@ -1,0 +1,87 @@
+"""The service over the project's real model runtimes: a tiny exported diffusion sampler
+(service.sampler) and a tiny exported fan-out LM decoded with its KV cache (service.decoding),
+both committed into a bundle built in the session. Their weights are random, so the AR
+output is usually malformed: the answer must still hold k distinct items and say so."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from service.bundle import commit_stage, config_hash, read_manifest
+from service.items import ItemStore
+from tests.service.conftest import live_server, make_settings
+from tests.service.test_app import assert_k_unique
+
+torch = pytest.importorskip("torch")
+
+
+def commit_diffusion(bundle: Path, diffusion_dir: Path) -> None:
+    manifest = read_manifest(bundle)
+    staged = Path(tempfile.mkdtemp(prefix=".staging-diffusion-", dir=bundle))
+    shutil.copytree(diffusion_dir, staged / "diffusion")
+    files = sorted(f"diffusion/{p.name}" for p in (staged / "diffusion").iterdir())
+    record = {"config": {"source": "tiny test export"}, "wall_s": 0.0,
+              "config_hash": config_hash({"source": "tiny test export"})}
+    commit_stage(bundle, manifest, "diffusion", staged, files, record)
+
+
+@pytest.fixture(scope="module")
+def model_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.training.proxy_dataset import tiny_diffusion_dir
+    from training.policy import (
+        POLICY_PRESETS,
+        build_model,
+        config_dict,
+        hf_tokenizer,
+        save_policy,
+        tokenizer_corpus,
+        train_tokenizer,
+    )
+    from training.policy_export import commit_policy
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("models")
+    bundle = root / "real"
+    shutil.copytree(small_bundle_dir, bundle)
+    commit_diffusion(bundle, tiny_diffusion_dir(root / "diffusion", solver="heun", steps=3))
+    texts = ItemStore.load(bundle).texts[:300]
+    tok = train_tokenizer(tokenizer_corpus(texts, ["tree", "boat"]), 384)
+    config = POLICY_PRESETS["tiny"]
+    model = build_model(config, tok, seed=3)
+    save_policy(model, hf_tokenizer(tok, config.max_positions), root / "ckpt",
+                {"policy": config_dict(config)})
+    commit_policy(bundle, root / "ckpt", "folm")
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def model_server(model_bundle: Path):
+    settings = make_settings(model_bundle, None, ar_backend="onnx", ar_max_new_tokens=24,
+                             groundedness_threshold=-1.0)
+    with live_server(settings) as live:
+        yield live
+
+
+@pytest.mark.parametrize("route", ["diffusion", "ar"])
+def test_real_runtimes_answer_k_distinct_items(model_server, route):
+    with model_server.client() as client:
+        for k in (10, 4):
+            response = client.post("/v1/retrieve",
+                                   json={"query": "boat", "k": k, "route": route})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["route"] == route and not body["fallback"]["used"]
+            assert_k_unique(body, k)
+
+
+def test_info_reports_the_real_runtimes(model_server):
+    with model_server.client() as client:
+        served = client.get("/v1/info").json()["served"]
+    assert served["paths"]["ar"]["backend"] == "onnx"
+    assert "CPUExecutionProvider" in served["providers"]["ar"]
+    assert "CPUExecutionProvider" in served["providers"]["diffusion"]
+    assert served["paths"]["diffusion"]["config"]["solver"] == "heun"

@@ -1,0 +1,100 @@
+"""Proxy stage-2 datasets for tests and for sizing the denoiser — never shipped as training data.
+
+`synthetic_blocks`: random unit vectors, seconds to build. `neighbour_blocks`: for each train
+query of a bundle, blocks of k items sampled among its dense nearest neighbours (the stage-2
+format without a fan-out model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class ProxyDataset:
+    query_emb: np.ndarray  # (N, d)
+    target_emb: np.ndarray  # (N, k, d)
+    target_rows: np.ndarray  # (N, k)
+    query_index: np.ndarray  # (N,)
+    reward: np.ndarray  # (N,)
+    queries: list[str] = field(default_factory=list)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+def synthetic_blocks(n_queries: int = 8, per_query: int = 4, k: int = 10, d: int = 128,
+                     seed: int = 0) -> ProxyDataset:
+    """Each query has k·2 'catalog' items near it; blocks draw k of them."""
+    rng = np.random.default_rng(seed)
+    centres = _unit(rng.normal(size=(n_queries, d)))  # (Q, d)
+    items = _unit(centres[:, None, :] + 0.3 * rng.normal(size=(n_queries, 2 * k, d)))  # (Q, 2k, d)
+    picks = np.stack([rng.choice(2 * k, size=k, replace=False)
+                      for _ in range(n_queries * per_query)])  # (N, k)
+    query_index = np.repeat(np.arange(n_queries), per_query)  # (N,)
+    target = items[query_index[:, None], picks]  # (N, k, d)
+    return ProxyDataset(
+        query_emb=centres[query_index], target_emb=target,
+        target_rows=query_index[:, None] * 2 * k + picks, query_index=query_index,
+        reward=np.zeros(len(query_index), np.float32),
+        queries=[f"q{i}" for i in range(n_queries)],
+    )
+
+
+def neighbour_blocks(bundle_dir: Path, per_query: int = 128, k: int = 10, top: int = 100,
+                     seed: int = 0) -> ProxyDataset:
+    """Blocks of k distinct items drawn among each train query's `top` dense neighbours."""
+    from service.bundle import load_bundle
+    from service.encoder import Encoder
+    from service.index import search
+    from training.benchmark import query_texts
+
+    bundle = load_bundle(bundle_dir)
+    texts = query_texts(bundle_dir, "train")
+    query_emb = Encoder(bundle.encoder_config).encode(texts)  # (Q, d)
+    _, neighbours = search(bundle.index, query_emb, top)  # (Q, top)
+    rng = np.random.default_rng(seed)
+    query_index = np.repeat(np.arange(len(texts)), per_query)  # (N,)
+    picks = np.argsort(rng.random((len(query_index), top)), axis=1)[:, :k]  # (N, k)
+    rows = neighbours[query_index[:, None], picks]  # (N, k)
+    return ProxyDataset(
+        query_emb=query_emb[query_index], target_emb=bundle.items.embeddings[rows],
+        target_rows=rows, query_index=query_index,
+        reward=np.zeros(len(query_index), np.float32), queries=texts,
+    )
+
+
+def tiny_checkpoint(run_dir: Path, rows: int = 10, steps: int = 20) -> Path:
+    """Train the `tiny` preset for a few steps on synthetic blocks; returns the checkpoint."""
+    from training.denoiser import preset
+    from training.diffusion_training import CHECKPOINT, train, train_preset
+
+    config = train_preset("tiny", steps=steps, model=preset("tiny", rows=rows))
+    train(synthetic_blocks(), config, run_dir, progress=False)
+    return run_dir / CHECKPOINT
+
+
+def tiny_diffusion_dir(directory: Path, solver: str = "heun", steps: int = 3,
+                       cfg_weight: float = 0.1, rows: int = 10) -> Path:
+    """A tiny exported `diffusion/` folder (step.onnx, sampler.onnx, diffusion.json).
+
+    A few training steps leave the zero-initialised output layers near zero, so the weights
+    are perturbed to make every path of the graph (the query's included) matter.
+    """
+    import torch
+
+    from training.diffusion_export import ExportConfig, write_sampler
+    from training.diffusion_training import load_ema
+
+    model, _ = load_ema(tiny_checkpoint(directory / "run", rows=rows))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=generator))
+    out = directory / "diffusion"
+    write_sampler(model, ExportConfig(solver=solver, steps=steps, cfg_weight=cfg_weight), out)
+    return out

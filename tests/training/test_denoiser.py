@@ -1,0 +1,141 @@
+import itertools
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tests.training.proxy_dataset import synthetic_blocks
+from training.denoiser import (
+    PRESETS,
+    SetDenoiser,
+    denoise,
+    flops_per_step,
+    guided_denoise,
+    preset,
+)
+from training.diffusion_training import (
+    CHECKPOINT,
+    batch_of,
+    dsm_loss,
+    load_ema,
+    lr_factor,
+    new_state,
+    rows_from_block,
+    train,
+    train_preset,
+    train_step,
+)
+from training.samplers import euler_pf_ode, heun_edm, sigma_schedule, solver_evaluations
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)
+
+
+def _randomised(config_name: str = "tiny", **overrides) -> SetDenoiser:
+    torch.manual_seed(0)
+    model = SetDenoiser(preset(config_name, **overrides)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+def _fixed_loss(state, config, query, target) -> float:
+    with torch.no_grad():
+        return float(dsm_loss(state.model, query, target, config, torch.Generator().manual_seed(7)))
+
+
+def test_one_training_step_lowers_the_loss_on_a_fixed_batch():
+    config = train_preset("tiny", lr=3e-3, warmup=1)
+    state = new_state(config)
+    query, target = batch_of(synthetic_blocks(), config, torch.Generator().manual_seed(1))
+    before = _fixed_loss(state, config, query, target)
+    state.generator = torch.Generator().manual_seed(7)  # the step sees the same noise
+    train_step(state, config, query, target)
+    assert _fixed_loss(state, config, query, target) < before
+
+
+@pytest.mark.parametrize("conditioning", ["adaln", "token"])
+def test_denoiser_is_permutation_equivariant_over_rows(conditioning):
+    model = _randomised(conditioning=conditioning)
+    x, query = torch.randn(2, 10, 128), torch.randn(2, 128)
+    sigma = torch.tensor([0.05, 0.5])
+    perm = torch.randperm(10)
+    out = denoise(model, x, sigma, query)
+    assert torch.allclose(denoise(model, x[:, perm], sigma, query), out[:, perm], atol=1e-5)
+
+
+def test_condition_changes_the_output_and_cfg_zero_is_the_conditional_model():
+    model = _randomised()
+    x, sigma = torch.randn(2, 10, 128), torch.tensor([0.1, 0.1])
+    q1, q2 = torch.randn(2, 128), torch.randn(2, 128)
+    assert not torch.allclose(denoise(model, x, sigma, q1), denoise(model, x, sigma, q2))
+    assert torch.allclose(guided_denoise(model, x, sigma, q1, 0.0), denoise(model, x, sigma, q1))
+    guided = guided_denoise(model, x, sigma, q1, 0.5)
+    cond = denoise(model, x, sigma, q1)
+    uncond = denoise(model, x, sigma, q1, keep=torch.zeros(2))
+    assert torch.allclose(guided, cond + 0.5 * (cond - uncond), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tiny", "cpu"])
+def test_flops_per_step_matches_a_flop_counter(name):
+    config = PRESETS[name]
+    model = SetDenoiser(config).eval()
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(torch.randn(4, config.rows, config.dim), torch.zeros(4), torch.randn(4, 128))
+    assert counter.get_total_flops() / 4 == pytest.approx(flops_per_step(config), rel=0.01)
+
+
+def test_sigma_schedule_and_evaluation_counts():
+    sigmas = sigma_schedule(8, 0.002, 1.0)
+    assert len(sigmas) == 9 and sigmas[-1] == 0.0
+    assert sigmas[0] == pytest.approx(1.0) and sigmas[-2] == pytest.approx(0.002)
+    assert all(a > b for a, b in itertools.pairwise(sigmas))
+    assert solver_evaluations("euler", 8) == 8 and solver_evaluations("heun", 8) == 15
+
+
+def test_samplers_give_unit_rows_deterministic_per_generator():
+    model = _randomised()
+    query = torch.nn.functional.normalize(torch.randn(3, 128), dim=-1)
+    a = heun_edm(model, query, 4, generator=torch.Generator().manual_seed(3))
+    b = heun_edm(model, query, 4, generator=torch.Generator().manual_seed(3))
+    c = euler_pf_ode(model, query, 4, generator=torch.Generator().manual_seed(4))
+    assert a.shape == (3, 10, 128) and torch.equal(a, b) and not torch.allclose(a, c)
+    assert torch.allclose(a.norm(dim=-1), torch.ones(3, 10), atol=1e-5)
+
+
+def test_extra_rows_copy_items_of_the_block():
+    target = torch.randn(4, 10, 128)
+    rows = rows_from_block(target, 12, torch.Generator().manual_seed(0))
+    assert rows.shape == (4, 12, 128) and torch.equal(rows[:, :10], target)
+    for b in range(4):
+        for extra in rows[b, 10:]:
+            assert any(torch.equal(extra, item) for item in target[b])
+
+
+def test_lr_schedule_warms_up_then_decays_to_zero():
+    assert lr_factor(0, 10, 100) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100) == pytest.approx(1.0)
+    assert lr_factor(55, 10, 100) == pytest.approx(0.5)
+    assert lr_factor(100, 10, 100) == pytest.approx(0.0, abs=1e-12)
+    assert math.isclose(lr_factor(10, 10, 100), 1.0)
+
+
+def test_resumed_training_equals_an_uninterrupted_run(tmp_path):
+    data = synthetic_blocks()
+    config = train_preset("tiny", steps=20, checkpoint_every=7)
+    straight = train(data, config, tmp_path / "a", progress=False)
+    halfway = train(data, config, tmp_path / "b", progress=False, until=10)
+    resumed = train(data, config, tmp_path / "b", progress=False)
+    assert halfway["ledger"]["steps"] == 10
+    assert resumed["ledger"]["steps"] == straight["ledger"]["steps"] == 20
+    a = load_ema(tmp_path / "a" / CHECKPOINT)[0].state_dict()
+    b = load_ema(tmp_path / "b" / CHECKPOINT)[0].state_dict()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert (tmp_path / "b" / "loss_curve.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="another config"):
+        train(data, train_preset("tiny", steps=20, lr=0.5), tmp_path / "a", progress=False)

@@ -1,0 +1,57 @@
+import shutil
+
+import numpy as np
+import pytest
+
+from service.bundle import load_bundle
+from service.encoder import Encoder
+from tests.training.proxy_dataset import tiny_checkpoint
+from training.diffusion_export import ExportConfig, export_diffusion
+from training.diffusion_methods import diffusion, gaps, keep_confident, steps_curve
+from training.evaluation import METHODS
+
+
+@pytest.fixture(scope="module")
+def bundle(small_bundle_dir, tmp_path_factory):
+    """The small real bundle plus a tiny diffusion stage with L = 12 rows for k = 10."""
+    import torch
+
+    torch.set_num_threads(1)
+    directory = tmp_path_factory.mktemp("diffusion-bundle") / "b"
+    shutil.copytree(small_bundle_dir, directory)
+    checkpoint = tiny_checkpoint(directory / "runs" / "diffusion", rows=12)
+    export_diffusion(directory, checkpoint, ExportConfig(solver="heun", steps=2))
+    return load_bundle(directory)
+
+
+def test_resolution_returns_k_distinct_ids(bundle):
+    queries = Encoder(bundle.encoder_config).encode(["dog", "tool", "vehicle"])
+    for steps in (None, 3):
+        out = diffusion(bundle, k=10, steps=steps)(["dog", "tool", "vehicle"], queries)
+        assert out.items.shape == (3, 10) and out.probes.shape == (3, 10, 128)
+        for row in out.items:
+            assert len(set(row.tolist())) == 10
+        assert all(len(pool) >= 10 for pool in out.pools)
+
+
+def test_keep_confident_keeps_the_best_scoring_rows_in_order():
+    rows = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
+    items = np.array([[10, 11, 12, 13], [20, 21, 22, 23]])
+    scores = np.array([[0.1, 0.9, 0.5, 0.7], [0.8, 0.2, 0.3, 0.9]])
+    probes, kept = keep_confident(rows, items, scores, 2)
+    assert kept.tolist() == [[11, 13], [20, 23]]
+    assert np.array_equal(probes[0], rows[0, [1, 3]])
+
+
+def test_harness_runs_diffusion_and_the_steps_curve(bundle, monkeypatch):
+    from training.evaluation import evaluate, write_report
+
+    monkeypatch.setitem(METHODS, "diffusion", diffusion)
+    report = evaluate(bundle, "diffusion", "test", k=10)
+    assert report["metrics"]["groundedness"] > 0
+    write_report(bundle.path, report)
+    write_report(bundle.path, {**report, "split": "train"})
+    assert gaps(bundle.path)["train_vs_test"]["groundedness"] == pytest.approx(0.0)
+    curve = steps_curve(bundle, "test", steps_list=(1, 2), solvers=("euler",))
+    assert [p["evaluations"] for p in curve["points"]] == [1, 2]
+    assert all(p["solver_ms_per_query"] > 0 for p in curve["points"])

@@ -1,0 +1,216 @@
+"""The stage-3 denoiser: a conditional set transformer over a block of L item-embedding rows.
+
+Paper (Table 3): VE-SDE diffusion transformer, d=128, hidden/MLP 1024, 6 layers, 16 heads,
+L=12 rows, 256 probability-flow steps, CFG 0.1 with condition drop 0.1, 53.9M parameters.
+Here: EDM preconditioning (Karras et al. 2022) around a transformer with no positional
+encoding (the block is a set, so the network is permutation-equivariant over rows), conditioned
+on the query embedding and the noise level by adaLN-Zero (DiT, Peebles & Xie 2023) or, as an
+option, by one extra conditioning token. Either way the conditioning vector is also added to
+every row token. Measured on a proxy dataset (400 steps, batch 128, same seed): adaLN-Zero
+reached a lower loss than the token (train 0.873 vs 0.888; at σ = 0.05/0.3/1: 0.877/0.764/0.780
+vs 0.904/0.771/0.788) at equal wall time, hence the default; without the added vector adaLN-Zero
+learnt the query far more slowly (σ = 1: 0.896 vs 0.829 after 250 steps).
+
+Rows vs slots: with L = k (the default) row i is slot i. With L > k (the paper's 12) training
+fills the L − k extra rows with copies of randomly chosen items of the same block, and serving
+keeps the k rows that resolve most confidently to distinct items.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DenoiserConfig:
+    dim: int = 128  # item/query embedding size d
+    rows: int = 10  # L, rows per generated block
+    k: int = 10  # items returned per query
+    hidden: int = 128
+    mlp: int = 512
+    layers: int = 4
+    heads: int = 4
+    conditioning: str = "adaln"  # "adaln" (adaLN-Zero) or "token" (one conditioning token)
+    sigma_min: float = 0.002
+    sigma_max: float = 1.0  # VE: ≈ 11× the data's per-coordinate std, enough to swamp it
+    sigma_data: float = 1.0 / math.sqrt(128)  # unit-norm rows in d=128: per-coordinate std
+    cond_drop: float = 0.1  # condition dropout for classifier-free guidance (paper: 0.1)
+    fourier: int = 64  # noise-level Fourier features
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PRESETS: dict[str, DenoiserConfig] = {
+    # Table 3: hidden 1024, MLP 1024, 6 layers, 16 heads, L = 12 → 80.2M params here (37.7M
+    # of them adaLN-Zero modulations) vs the paper's 53.9M.
+    "paper": DenoiserConfig(hidden=1024, mlp=1024, layers=6, heads=16, rows=12),
+    # Sized for 2 CPU cores: 1.31M params, 17.6 MFLOP per query per step (flops_per_step).
+    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=4, heads=4),
+    "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
+}
+
+
+def preset(name: str, **overrides: Any) -> DenoiserConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown denoiser preset {name!r}; available: {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention over the rows (no mask, no positions)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, h // self.heads)  # (B, N, 3, H, Dh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, Dh)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(h // self.heads), dim=-1)
+        mixed = (weights @ v).transpose(1, 2).reshape(b, n, h)  # (B, N, hidden)
+        return self.out(mixed)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block; with adaLN-Zero, LN shift/scale and residual gates come from c."""
+
+    def __init__(self, hidden: int, mlp: int, heads: int, adaln: bool) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden, elementwise_affine=not adaln, eps=1e-6)
+        self.norm2 = nn.LayerNorm(hidden, elementwise_affine=not adaln, eps=1e-6)
+        self.attn = Attention(hidden, heads)
+        self.mlp = nn.Sequential(nn.Linear(hidden, mlp), nn.GELU(approximate="tanh"),
+                                 nn.Linear(mlp, hidden))
+        self.modulation = nn.Linear(hidden, 6 * hidden) if adaln else None
+        if self.modulation is not None:  # adaLN-Zero: every block starts as the identity
+            nn.init.zeros_(self.modulation.weight)
+            nn.init.zeros_(self.modulation.bias)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        if self.modulation is None:
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+        mod = self.modulation(nn.functional.silu(c))[:, None, :]  # (B, 1, 6·hidden)
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)  # each (B, 1, hidden)
+        x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1)
+        return x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)
+
+
+class SetDenoiser(nn.Module):
+    """F_θ(c_in·x, c_noise, query) → (B, L, d); wrapped by EDM preconditioning in `denoise`."""
+
+    def __init__(self, config: DenoiserConfig) -> None:
+        super().__init__()
+        if config.hidden % config.heads:
+            raise ValueError("hidden must be divisible by heads")
+        if config.rows < config.k:
+            raise ValueError(f"rows L={config.rows} must be at least k={config.k}")
+        self.config = config
+        adaln = config.conditioning == "adaln"
+        if config.conditioning not in ("adaln", "token"):
+            raise ValueError(f"conditioning must be 'adaln' or 'token', got {config.conditioning}")
+        h = config.hidden
+        self.register_buffer("freqs", torch.exp(torch.linspace(0.0, math.log(1000.0),
+                                                               config.fourier // 2)))
+        self.noise_mlp = nn.Sequential(nn.Linear(config.fourier, h), nn.SiLU(), nn.Linear(h, h))
+        self.query_mlp = nn.Sequential(nn.Linear(config.dim, h), nn.SiLU(), nn.Linear(h, h))
+        self.null_query = nn.Parameter(torch.zeros(config.dim))  # the dropped condition
+        self.embed = nn.Linear(config.dim, h)
+        self.blocks = nn.ModuleList(
+            Block(h, config.mlp, config.heads, adaln) for _ in range(config.layers)
+        )
+        self.final_norm = nn.LayerNorm(h, elementwise_affine=not adaln, eps=1e-6)
+        self.final_mod = nn.Linear(h, 2 * h) if adaln else None
+        self.head = nn.Linear(h, config.dim)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        if self.final_mod is not None:
+            nn.init.zeros_(self.final_mod.weight)
+            nn.init.zeros_(self.final_mod.bias)
+
+    def condition(self, c_noise: torch.Tensor, query: torch.Tensor,
+                  keep: torch.Tensor | None) -> torch.Tensor:
+        """c = MLP(fourier(c_noise)) + MLP(query or null); keep (B,) is 1 to keep the query."""
+        angles = c_noise[:, None] * self.freqs[None, :]  # (B, F/2)
+        fourier = torch.cat([angles.cos(), angles.sin()], dim=-1)  # (B, F)
+        if keep is not None:
+            query = keep[:, None] * query + (1 - keep[:, None]) * self.null_query  # (B, d)
+        return self.noise_mlp(fourier) + self.query_mlp(query)  # (B, hidden)
+
+    def forward(self, x: torch.Tensor, c_noise: torch.Tensor, query: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.condition(c_noise, query, keep)  # (B, hidden)
+        # c also enters every row token: with adaLN-Zero's zero-initialised gates and head,
+        # a query reaching the rows only through modulations is learnt very slowly.
+        h = self.embed(x) + c[:, None, :]  # (B, L, hidden)
+        if self.final_mod is None:  # conditioning token prepended to the rows
+            h = torch.cat([c[:, None, :], h], dim=1)  # (B, 1 + L, hidden)
+        for block in self.blocks:
+            h = block(h, c)
+        h = self.final_norm(h)
+        if self.final_mod is None:
+            h = h[:, 1:, :]  # (B, L, hidden): drop the conditioning token
+        else:
+            shift, scale = self.final_mod(nn.functional.silu(c))[:, None, :].chunk(2, dim=-1)
+            h = h * (1 + scale) + shift  # (B, L, hidden)
+        return self.head(h)  # (B, L, d)
+
+
+def precondition(sigma: torch.Tensor, sigma_data: float) -> tuple[torch.Tensor, ...]:
+    """EDM (Karras et al. 2022, Table 1) c_skip, c_out, c_in, c_noise for σ of shape (B,)."""
+    total = sigma**2 + sigma_data**2
+    c_skip = sigma_data**2 / total
+    c_out = sigma * sigma_data / total.sqrt()
+    c_in = 1.0 / total.sqrt()
+    c_noise = sigma.log() / 4.0
+    return c_skip, c_out, c_in, c_noise
+
+
+def denoise(model: SetDenoiser, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
+    """D_θ(x; σ, q) = c_skip·x + c_out·F_θ(c_in·x, c_noise, q). x (B, L, d), σ (B,)."""
+    c_skip, c_out, c_in, c_noise = precondition(sigma, model.config.sigma_data)
+    f = model(c_in[:, None, None] * x, c_noise, query, keep)  # (B, L, d)
+    return c_skip[:, None, None] * x + c_out[:, None, None] * f
+
+
+def guided_denoise(model: SetDenoiser, x: torch.Tensor, sigma: torch.Tensor,
+                   query: torch.Tensor, cfg_weight: float) -> torch.Tensor:
+    """Classifier-free guidance, D = D_c + w·(D_c − D_u); w = 0 is the plain conditional model."""
+    if cfg_weight == 0.0:
+        return denoise(model, x, sigma, query)
+    b = x.shape[0]
+    keep = torch.cat([torch.ones(b), torch.zeros(b)]).to(x)  # (2B,)
+    both = denoise(model, torch.cat([x, x]), torch.cat([sigma, sigma]),
+                   torch.cat([query, query]), keep)  # (2B, L, d)
+    cond, uncond = both[:b], both[b:]
+    return cond + cfg_weight * (cond - uncond)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_step(config: DenoiserConfig, cfg: bool = False) -> int:
+    """Multiply-adds ×2 of one denoiser evaluation for one query (×2 again with CFG).
+
+    Row-wise weights run once per row (and per conditioning token); the conditioning MLPs and
+    adaLN modulations run once per query; attention adds 4·n²·hidden per layer.
+    """
+    h, n = config.hidden, config.rows + (config.conditioning == "token")
+    per_row = config.dim * h + h * config.dim + config.layers * (4 * h * h + 2 * h * config.mlp)
+    per_query = config.fourier * h + h * h + config.dim * h + h * h
+    if config.conditioning == "adaln":
+        per_query += config.layers * 6 * h * h + 2 * h * h
+    attention = config.layers * 2 * n * n * h
+    flops = 2 * (n * per_row + per_query + attention)
+    return flops * (2 if cfg else 1)
