@@ -6,7 +6,7 @@ BUNDLE  ?= models/default
 STAMP   := $(VENV)/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install system-deps bundle eval serve test lint clean-bundle
+.PHONY: install system-deps bundle eval serve test lint bench loadtest clean-bundle
 
 install: $(STAMP)
 
@@ -30,9 +30,18 @@ bundle: install
 eval: bundle
 	$(R4T) --bundle $(BUNDLE) eval --method all --split test
 
+# The main job: build whatever the default bundle lacks (progress bars), then serve it on
+# http://127.0.0.1:8000 (settings: R4T_* environment variables, see service/settings.py).
 serve: bundle
-	@[ -f $(BUNDLE)/eval/single-test.json ] || $(R4T) --bundle $(BUNDLE) eval --method all --split test
-	$(R4T) --bundle $(BUNDLE) table
+	$(R4T) --bundle $(BUNDLE) serve
+
+# The honest speed benchmark (run alone): both paths, batch 8..1024, per stage.
+bench: bundle
+	$(PY) -m loadtest.bench --bundle $(BUNDLE) --out loadtest/results
+
+# Headless Locust against a loopback server: diffusion, AR, A/B mix.
+loadtest: bundle
+	$(PY) -m loadtest.run --bundle $(BUNDLE) --out loadtest/results
 
 lint: install
 	$(VENV)/bin/ruff check .

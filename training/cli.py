@@ -30,6 +30,27 @@ def cmd_catalog(args: argparse.Namespace) -> None:
     build_catalog(args.bundle, config, force=args.force)
 
 
+def cmd_bundle(args: argparse.Namespace) -> None:
+    """Every stage in order, each skipped when the bundle already holds its output."""
+    from service.bundle import read_manifest
+
+    cmd_catalog(args)
+    bundle = ["--bundle", str(args.bundle)]
+    stages = read_manifest(args.bundle)["stages"]
+    steps: list[list[str]] = []
+    if "folm" not in stages:
+        steps += [["train", "folm"], ["export", "folm"]]
+    if "diffusion" not in stages:
+        steps += [["synthesize"], ["train", "diffusion", "--threads", "1"],
+                  ["export", "diffusion"]]
+    for step in steps:
+        print(f"== r4t {' '.join(step)}", flush=True)
+        step_args = build_parser().parse_args(bundle + step)
+        step_args.func(step_args)
+    if not steps:
+        print(f"{args.bundle}: every stage is up to date")
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from service.bundle import load_bundle
     from service.encoder import Encoder
@@ -67,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bundle = sub.add_parser("bundle", help="build or complete every stage of a bundle")
     _catalog_args(bundle)
-    bundle.set_defaults(func=cmd_catalog)
+    bundle.set_defaults(func=cmd_bundle)
 
     ev = sub.add_parser("eval", help="evaluate methods on a benchmark split")
     ev.add_argument("--method", default="all", help="a method, a comma list, or 'all'")
