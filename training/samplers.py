@@ -40,7 +40,8 @@ def solver_evaluations(solver: str, steps: int) -> int:
 
 
 def initial_noise(shape: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
-    return torch.randn(shape, generator=generator)
+    device = generator.device if generator is not None else None
+    return torch.randn(shape, generator=generator, device=device)
 
 
 def _denoiser(model: SetDenoiser, query: torch.Tensor, cfg_weight: float) -> Denoise:
@@ -62,7 +63,7 @@ def euler_pf_ode(model: SetDenoiser, query: torch.Tensor, steps: int = 256,
     sigmas = sigma_schedule(steps, config.sigma_min, config.sigma_max)
     d_fn = _denoiser(model, query, cfg_weight)
     x = noise * sigmas[0]  # (B, L, d)
-    ones = torch.ones(query.shape[0])
+    ones = torch.ones(query.shape[0], device=query.device)
     for sigma, sigma_next in pairwise(sigmas):
         slope = (x - d_fn(x, ones * sigma)) / sigma
         x = x + (sigma_next - sigma) * slope
@@ -80,7 +81,7 @@ def heun_edm(model: SetDenoiser, query: torch.Tensor, steps: int = 8, cfg_weight
     sigmas = sigma_schedule(steps, config.sigma_min, config.sigma_max)
     d_fn = _denoiser(model, query, cfg_weight)
     x = noise * sigmas[0]  # (B, L, d)
-    ones = torch.ones(query.shape[0])
+    ones = torch.ones(query.shape[0], device=query.device)
     for sigma, sigma_next in pairwise(sigmas):
         slope = (x - d_fn(x, ones * sigma)) / sigma
         x_euler = x + (sigma_next - sigma) * slope
