@@ -52,18 +52,24 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # (B, L, d)
 
 
+def _start(model: SetDenoiser, query: torch.Tensor, steps: int, cfg_weight: float,
+           generator: torch.Generator | None, noise: torch.Tensor | None
+           ) -> tuple[torch.Tensor, list[float], Denoise, torch.Tensor]:
+    """Shared set-up of the ODE solvers: x at sigma_max, the schedule, the guided denoiser."""
+    config = model.config
+    if noise is None:
+        noise = initial_noise((query.shape[0], config.rows, config.dim), generator)
+    sigmas = sigma_schedule(steps, config.sigma_min, config.sigma_max)
+    ones = torch.ones(query.shape[0], device=query.device)  # (B,)
+    return noise * sigmas[0], sigmas, _denoiser(model, query, cfg_weight), ones  # x: (B, L, d)
+
+
 @torch.no_grad()
 def euler_pf_ode(model: SetDenoiser, query: torch.Tensor, steps: int = 256,
                  cfg_weight: float = 0.0, generator: torch.Generator | None = None,
                  noise: torch.Tensor | None = None) -> torch.Tensor:
     """First-order Euler on the probability-flow ODE. query (B, d) → rows (B, L, d)."""
-    config = model.config
-    if noise is None:
-        noise = initial_noise((query.shape[0], config.rows, config.dim), generator)
-    sigmas = sigma_schedule(steps, config.sigma_min, config.sigma_max)
-    d_fn = _denoiser(model, query, cfg_weight)
-    x = noise * sigmas[0]  # (B, L, d)
-    ones = torch.ones(query.shape[0], device=query.device)
+    x, sigmas, d_fn, ones = _start(model, query, steps, cfg_weight, generator, noise)
     for sigma, sigma_next in pairwise(sigmas):
         slope = (x - d_fn(x, ones * sigma)) / sigma
         x = x + (sigma_next - sigma) * slope
@@ -75,13 +81,7 @@ def heun_edm(model: SetDenoiser, query: torch.Tensor, steps: int = 8, cfg_weight
              generator: torch.Generator | None = None,
              noise: torch.Tensor | None = None) -> torch.Tensor:
     """EDM Algorithm 1 (Heun's 2nd order, deterministic). query (B, d) → rows (B, L, d)."""
-    config = model.config
-    if noise is None:
-        noise = initial_noise((query.shape[0], config.rows, config.dim), generator)
-    sigmas = sigma_schedule(steps, config.sigma_min, config.sigma_max)
-    d_fn = _denoiser(model, query, cfg_weight)
-    x = noise * sigmas[0]  # (B, L, d)
-    ones = torch.ones(query.shape[0], device=query.device)
+    x, sigmas, d_fn, ones = _start(model, query, steps, cfg_weight, generator, noise)
     for sigma, sigma_next in pairwise(sigmas):
         slope = (x - d_fn(x, ones * sigma)) / sigma
         x_euler = x + (sigma_next - sigma) * slope
