@@ -31,12 +31,18 @@ class RetrievalUser(HttpUser):
             body["route"] = SCENARIO
         with self.client.post("/v1/retrieve", json=body, name="/v1/retrieve",
                               catch_response=True) as response:
+            elapsed_ms = response.elapsed.total_seconds() * 1000.0
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}")
+                # Refusals get their own latency line: a 429 must be fast, not a slow timeout.
+                self._record("STATUS", str(response.status_code), elapsed_ms, response)
                 return
-            route = response.json().get("route", "unknown")
             # Record the latency a second time under the route that answered it.
-            self.environment.events.request.fire(
-                request_type="ROUTE", name=route, response_time=response.elapsed.total_seconds()
-                * 1000.0, response_length=len(response.content), exception=None, context={},
-            )
+            self._record("ROUTE", response.json().get("route", "unknown"), elapsed_ms, response)
+
+    def _record(self, kind: str, name: str, elapsed_ms: float, response: object) -> None:
+        self.environment.events.request.fire(
+            request_type=kind, name=name, response_time=elapsed_ms,
+            response_length=len(getattr(response, "content", b"") or b""), exception=None,
+            context={},
+        )

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 SCENARIOS = ("diffusion", "ar", "mix")
 HOST = "127.0.0.1"
@@ -43,8 +44,22 @@ def wait_ready(port: int, timeout_s: float = 180.0) -> None:
     raise TimeoutError(f"r4t serve on port {port} was not ready after {timeout_s:.0f} s")
 
 
-def run_scenario(name: str, port: int, users: int, rate: float, seconds: int, out: Path) -> dict:
-    prefix = out / name
+def batch_totals(port: int) -> dict[str, tuple[float, float]]:
+    """Per route, (sum, count) of the server's r4t_batch_size histogram."""
+    text = httpx.get(f"http://{HOST}:{port}/metrics", timeout=10.0).text
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("r4t_batch_size_sum", "r4t_batch_size_count"):
+                slot = totals.setdefault(sample.labels["route"], [0.0, 0.0])
+                slot[sample.name.endswith("_count")] += sample.value
+    return {route: (v[0], v[1]) for route, v in totals.items()}
+
+
+def run_scenario(name: str, port: int, users: int, rate: float, seconds: int, out: Path,
+                 order: int = 0) -> dict:
+    before = batch_totals(port)
+    prefix = out / f"{order}-{name}"
     env = {**os.environ, "R4T_LOAD_SCENARIO": name, "R4T_LOAD_RATE": str(rate / users)}
     subprocess.run(
         [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
@@ -52,7 +67,14 @@ def run_scenario(name: str, port: int, users: int, rate: float, seconds: int, ou
          "--host", f"http://{HOST}:{port}", "--csv", str(prefix), "--exit-code-on-error", "0"],
         env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    return summarize(name, prefix, rate, users, seconds)
+    summary = summarize(name, prefix, rate, users, seconds)
+    after = batch_totals(port)
+    summary["mean_batch_size"] = {
+        route: (total - before.get(route, (0.0, 0.0))[0])
+        / max(count - before.get(route, (0.0, 0.0))[1], 1.0)
+        for route, (total, count) in after.items()
+    }
+    return summary
 
 
 def summarize(name: str, prefix: Path, rate: float, users: int, seconds: int) -> dict:
@@ -64,12 +86,14 @@ def summarize(name: str, prefix: Path, rate: float, users: int, seconds: int) ->
         status = row["Error"].replace("HTTP ", "").strip() or "error"
         by_status[status] = by_status.get(status, 0) + int(row["Occurrences"])
     routes = {r["Name"]: _latency(r) for r in stats if r["Type"] == "ROUTE"}
+    refusals = {r["Name"]: _latency(r) for r in stats if r["Type"] == "STATUS"}
     return {
         "scenario": name, "users": users, "offered_rps": rate, "seconds": seconds,
         "requests": int(total["Request Count"]), "failures": int(total["Failure Count"]),
         "failures_by_status": by_status, "throughput_rps": float(total["Requests/s"]),
         "five_xx": sum(n for s, n in by_status.items() if s.startswith("5")),
         "latency_ms": _latency(total), "latency_ms_by_route": routes,
+        "latency_ms_by_refusal_status": refusals,
     }
 
 
@@ -85,12 +109,18 @@ def _latency(row: dict[str, str]) -> dict[str, float]:
 
 def markdown(results: list[dict]) -> str:
     lines = ["| scenario | offered req/s | requests | throughput req/s | failures by status | "
-             "route | p50 ms | p95 ms | p99 ms |", "|---|---:|---:|---:|---|---|---:|---:|---:|"]
+             "mean batch | route | p50 ms | p95 ms | p99 ms |",
+             "|---|---:|---:|---:|---|---|---|---:|---:|---:|"]
     for r in results:
         fails = ", ".join(f"{s}: {n}" for s, n in sorted(r["failures_by_status"].items())) or "0"
-        for route, lat in sorted(r["latency_ms_by_route"].items()):
+        answered = sorted(r["latency_ms_by_route"].items())
+        refused = [(f"refused {status}", lat) for status, lat in
+                   sorted(r["latency_ms_by_refusal_status"].items())]
+        batches = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(r["mean_batch_size"].items()))
+        for route, lat in answered + refused:
             lines.append(f"| {r['scenario']} | {r['offered_rps']:.0f} | {r['requests']} | "
-                         f"{r['throughput_rps']:.1f} | {fails} | {route} | {lat['50']:.0f} | "
+                         f"{r['throughput_rps']:.1f} | {fails} | {batches} | {route} | "
+                         f"{lat['50']:.0f} | "
                          f"{lat['95']:.0f} | {lat['99']:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -126,7 +156,8 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=64)
     parser.add_argument("--rate", type=float, default=40.0, help="offered requests/s in total")
     parser.add_argument("--seconds", type=int, default=40, help="per scenario")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help="comma list of diffusion|ar|mix, each optionally @<req/s>")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -134,9 +165,10 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     try:
         wait_ready(args.port)
-        for name in args.scenarios.split(","):
-            results.append(run_scenario(name, args.port, args.users, args.rate, args.seconds,
-                                        args.out))
+        for i, spec in enumerate(args.scenarios.split(",")):
+            name, _, rate = spec.partition("@")  # "mix@160": a scenario at its own rate
+            results.append(run_scenario(name, args.port, args.users,
+                                        float(rate or args.rate), args.seconds, args.out, i))
     finally:
         server.terminate()
         server.wait(timeout=30)
