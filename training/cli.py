@@ -65,7 +65,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     encoder = Encoder(bundle.encoder_config)
     names = sorted(METHODS) if args.method == "all" else args.method.split(",")
     for name in names:
-        options = {"lam": args.mmr_lambda} if name == "mmr" else {}
+        options: dict = {"lam": args.mmr_lambda} if name == "mmr" else {}
+        if name not in ("single", "mmr"):
+            options["threads"] = args.threads
         report = evaluate(bundle, name, args.split, args.k, args.limit, encoder, **options)
         print(f"wrote {write_report(args.bundle, report)}")
     print(results_table(args.bundle))
@@ -96,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--k", type=int, default=10)
     ev.add_argument("--limit", type=int, default=None, help="first N queries of the split")
     ev.add_argument("--mmr-lambda", type=float, default=0.7)
+    ev.add_argument("--threads", type=int, default=0,
+                    help="ONNX Runtime threads of model methods (0 = all cores)")
     ev.add_argument("--steps-curve", action="store_true",
                     help="diffusion quality and ms/query for 4-256 solver steps instead")
     ev.set_defaults(func=cmd_eval)
