@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from service.errors import BundleError
 from service.fanout import build_prompt
+from service.sessions import open_session
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -57,14 +57,7 @@ class FanoutDecoder:
                 raise BundleError(f"{folm_dir} has no {name}: run `r4t export folm` first")
         self.config: dict[str, Any] = json.loads((folm_dir / FOLM_CONFIG).read_text())
         self.tokenizer = Tokenizer.from_file(str(folm_dir / TOKENIZER_FILE))
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        available = ort.get_available_providers()
-        chosen = [p for p in (providers or available) if p in available] or ["CPUExecutionProvider"]
-        self.session = ort.InferenceSession(
-            str(folm_dir / MODEL_FILE), options, providers=chosen
-        )
+        self.session = open_session(folm_dir / MODEL_FILE, providers, threads)
         self.providers: list[str] = self.session.get_providers()
         self.n_layers = int(self.config["n_layers"])
 

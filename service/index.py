@@ -12,12 +12,21 @@ import faiss
 import numpy as np
 
 EXACT = "Flat"
+# Exact search switches to its BLAS (sgemm) kernel only past this many probes in one call; the
+# faiss-cpu wheel ships 128000, and below it the per-probe kernel measured 6× slower here
+# (1.3 vs 0.21 ms per probe, 82k × 128-d, k=16, 1 thread). Serving batches hold 10-1000 probes.
+BLAS_THRESHOLD = 16
 # Exact search keeps every vector in memory as float32; past this size ask for a factory.
 MAX_EXACT_ITEMS = 1_000_000
 
 
+def use_blas_kernel() -> None:
+    faiss.cvar.distance_compute_blas_threshold = BLAS_THRESHOLD
+
+
 def build_index(embeddings: np.ndarray, factory: str | None = None) -> faiss.Index:
     """Build an inner-product index over (N, D) float32 unit vectors."""
+    use_blas_kernel()
     vectors = np.ascontiguousarray(embeddings, dtype=np.float32)
     _, dim = vectors.shape
     index = faiss.index_factory(dim, factory or EXACT, faiss.METRIC_INNER_PRODUCT)
@@ -32,6 +41,7 @@ def save_index(index: faiss.Index, path: Path) -> None:
 
 
 def load_index(path: Path) -> faiss.Index:
+    use_blas_kernel()
     return faiss.read_index(str(path))
 
 

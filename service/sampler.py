@@ -17,27 +17,11 @@ import numpy as np
 import onnxruntime as ort
 
 from service.errors import BundleError
+from service.sessions import open_session
 
 CONFIG_FILE = "diffusion.json"
 SAMPLER_FILE = "sampler.onnx"
 STEP_FILE = "step.onnx"
-PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
-
-
-def default_providers() -> list[str]:
-    available = ort.get_available_providers()
-    return [p for p in PREFERRED_PROVIDERS if p in available]
-
-
-def session_options(threads: int) -> ort.SessionOptions:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads > 0:
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-    return options
-
-
 def read_config(diffusion_dir: Path) -> dict[str, Any]:
     path = Path(diffusion_dir) / CONFIG_FILE
     if not path.is_file():
@@ -56,9 +40,7 @@ class DiffusionSampler:
         path = diffusion_dir / self.config.get("sampler_file", SAMPLER_FILE)
         if not path.is_file():
             raise BundleError(f"{path} is missing")
-        self.session = ort.InferenceSession(
-            str(path), session_options(threads), providers=providers or default_providers()
-        )
+        self.session = open_session(path, providers, threads)
         self.providers: list[str] = self.session.get_providers()
         self.rows = int(self.config["rows"])
         self.dim = int(self.config["dim"])
@@ -98,9 +80,8 @@ class StepSampler(DiffusionSampler):
                  threads: int = 0) -> None:
         diffusion_dir = Path(diffusion_dir)
         self.config = read_config(diffusion_dir)
-        self.session = ort.InferenceSession(
-            str(diffusion_dir / self.config.get("step_file", STEP_FILE)),
-            session_options(threads), providers=providers or default_providers(),
+        self.session = open_session(
+            diffusion_dir / self.config.get("step_file", STEP_FILE), providers, threads
         )
         self.providers = self.session.get_providers()
         self.device = "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu"
