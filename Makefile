@@ -6,7 +6,7 @@ BUNDLE  ?= models/default
 STAMP   := $(VENV)/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install system-deps bundle eval serve test lint bench loadtest clean-bundle
+.PHONY: install system-deps bundle eval serve test lint bench loadtest overload clean-bundle
 
 install: $(STAMP)
 
@@ -42,6 +42,10 @@ bench: bundle
 # Headless Locust against a loopback server: diffusion, AR, A/B mix.
 loadtest: bundle
 	$(PY) -m loadtest.run --bundle $(BUNDLE) --out loadtest/results
+
+# 4x the sustainable A/B rate, then the sustainable rate again: fast 429s, then recovery.
+overload: bundle
+	$(PY) -m loadtest.run --bundle $(BUNDLE) --scenarios mix@800:400,mix@200:64 --out loadtest/results/overload
 
 lint: install
 	$(VENV)/bin/ruff check .
