@@ -370,6 +370,8 @@ def install_admin(app: FastAPI, state: ServiceState) -> None:
         body = body or ReloadRequest()
         if state.reload_task is not None and not state.reload_task.done():
             raise HTTPException(409, "a reload is already running")
+        if state.startup == "loading":  # start-up would publish its bundle over the reload's
+            raise HTTPException(409, "the service is still loading its start-up bundle")
         current = state.retriever.bundle.path if state.retriever else settings.bundle
         target = Path(body.bundle) if body.bundle else current
         state.reload = ReloadStatus(state="loading", bundle=str(target), started=now_iso())

@@ -118,10 +118,15 @@ class Batcher(Generic[P, R]):
         leftover = list(self._current)
         while not self._queue.empty():
             leftover.append(self._queue.get_nowait())
-        for job in leftover:
-            if not job.future.done():
-                job.future.set_exception(UnavailableError(f"the {self.name} path was closed"))
+        self._fail(leftover, UnavailableError(f"the {self.name} path was closed"))
+        self._set_depth()
         self._executor.shutdown(wait=False)
+
+    @staticmethod
+    def _fail(jobs: list[Job[P]], error: Exception) -> None:
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(error)
 
     async def _run(self) -> None:
         while True:
@@ -133,6 +138,9 @@ class Batcher(Generic[P, R]):
                 live = self._live(batch)
                 if live:
                     await self._compute_batch(live)
+            except asyncio.CancelledError:  # closed mid-batch: answer every caller now
+                self._fail(batch, UnavailableError(f"the {self.name} path was closed"))
+                raise
             finally:
                 self._busy, self._current = False, []
 

@@ -170,7 +170,9 @@ class Retriever:
                 log.error("disabling the %s path: %s", name, reason)
                 self.problems[name] = reason
                 await self.batchers.pop(name).close()
-                del self.paths[name]
+                dropped = self.paths.pop(name)
+                if isinstance(dropped, AutoregressivePath):
+                    dropped.backend.close()
         if not self.paths:
             raise BundleError(f"no retrieval path survived warm-up: {self.problems}")
         self.router = Router(self.settings.route_weights, set(self.paths), self.settings.seed)

@@ -146,3 +146,22 @@ def test_closed_batcher_refuses_new_work_and_finishes_queued_work():
         return [p.result().result for p in pending]
 
     assert run(scenario()) == [0, 2, 4]
+
+
+def test_close_answers_the_batch_in_compute_at_once(monkeypatch):
+    """A batch still computing when the grace period ends is failed, not left to its deadline."""
+    monkeypatch.setattr("service.batching.CLOSE_GRACE_S", 0.2)
+    recorder = Recorder(pause_s=2.0)
+
+    async def scenario():
+        batcher = make(recorder, max_wait_ms=0.0)
+        batcher.start()
+        pending = asyncio.ensure_future(batcher.submit(1, time.monotonic() + 20.0))
+        await asyncio.sleep(0.1)  # the job is now inside compute
+        began = time.monotonic()
+        await batcher.close()
+        with pytest.raises(UnavailableError):
+            await pending
+        return time.monotonic() - began
+
+    assert run(scenario()) < 5.0  # well before the 20 s deadline
