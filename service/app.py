@@ -170,7 +170,8 @@ class ServiceState:
             response = await self.ready().retrieve(query, deadline)
         except R4TError as exc:
             self.metrics.request_duration.labels(
-                route=query.route, arm="none", status=str(exc.http_status)
+                route=getattr(exc, "route", query.route), arm=getattr(exc, "arm", "none"),
+                status=str(exc.http_status),
             ).observe(time.monotonic() - started)
             raise
         self.metrics.request_duration.labels(

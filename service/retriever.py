@@ -17,7 +17,13 @@ from typing import Any
 from service.batching import Batcher, Completed, describe
 from service.bundle import Bundle, load_bundle
 from service.encoder import Encoder
-from service.errors import BundleError, DeadlineError, OverloadError, UnavailableError
+from service.errors import (
+    BundleError,
+    DeadlineError,
+    OverloadError,
+    R4TError,
+    UnavailableError,
+)
 from service.index import set_threads
 from service.metrics import Metrics
 from service.openai_backend import OpenAICompletionBackend, OpenAIConfig
@@ -213,14 +219,18 @@ class Retriever:
         query = PathQuery(request.query, request.k)
         route, reason, timings = assignment.route, None, {}
         completed: Completed[PathAnswer] | None = None
-        if route == "diffusion":
-            completed, reason = await self._try_diffusion(query, deadline)
-            if reason is not None:
-                self.metrics.fallbacks.labels(reason=reason).inc()
-                timings["diffusion_attempt"] = time.monotonic() - started
-                route = "ar"
-        if completed is None:
-            completed = await self._submit(route, query, deadline, reason)
+        try:
+            if route == "diffusion":
+                completed, reason = await self._try_diffusion(query, deadline)
+                if reason is not None:
+                    self.metrics.fallbacks.labels(reason=reason).inc()
+                    timings["diffusion_attempt"] = time.monotonic() - started
+                    route = "ar"
+            if completed is None:
+                completed = await self._submit(route, query, deadline, reason)
+        except R4TError as exc:  # the HTTP layer labels the failure with the path tried
+            exc.route, exc.arm = route, assignment.arm
+            raise
         answer = completed.result
         self.metrics.stage_duration.labels(route=route, stage="queue").observe(completed.queue_s)
         self.metrics.groundedness.labels(route=route).observe(answer.groundedness)

@@ -48,11 +48,16 @@ def test_full_queue_answers_429_fast_and_recovers(settings_for, slow_ar):
 
 
 def test_deadline_passed_is_504(settings_for, slow_ar):
-    with live_server(settings_for(request_timeout_ms=150)) as live, live.client() as client:
+    settings = settings_for(request_timeout_ms=150, routes="ar=1")
+    with live_server(settings) as live, live.client() as client:
         slow_ar()
-        response = client.post("/v1/retrieve", json={"query": "boat", "route": "ar"})
+        response = client.post("/v1/retrieve", json={"query": "boat"})  # route auto → ar arm
         assert response.status_code == 504
         assert response.json()["error"]["type"] == "DeadlineError"
+        durations = metric_samples(client.get("/metrics").text,
+                                   "r4t_request_duration_seconds_count")
+    # the failure is labelled with the path it was waiting on, not the requested "auto"
+    assert any(s.labels == {"route": "ar", "arm": "ar", "status": "504"} for s in durations)
 
 
 def test_diffusion_that_would_miss_the_deadline_falls_back(settings_for):
