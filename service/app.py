@@ -191,8 +191,10 @@ class ServiceState:
 
     async def retire(self, old: Retriever) -> None:
         """Close a swapped-out retriever once requests holding it are past their deadline."""
-        await asyncio.sleep(self.settings.request_timeout_ms / 1000.0)
-        await old.close()
+        try:
+            await asyncio.sleep(self.settings.request_timeout_ms / 1000.0)
+        finally:  # shutting down early still closes it
+            await old.close()
 
     async def do_reload(self, bundle_dir: Path) -> None:
         self.reload = ReloadStatus(state="loading", bundle=str(bundle_dir), started=now_iso())
@@ -266,11 +268,12 @@ def create_app(settings: Settings | None = None, loaders: Loaders | None = None)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         starting = asyncio.create_task(state.start())
         yield
-        starting.cancel()
+        tasks = [starting, *state.retiring]
         if state.reload_task is not None:
-            state.reload_task.cancel()
-        for task in list(state.retiring):
+            tasks.append(state.reload_task)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # let retire() close what it holds
         if state.retriever is not None:
             await state.retriever.close()
 
