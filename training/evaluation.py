@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from service.bundle import REPORTS_DIR, Bundle
 from service.encoder import Encoder
+from service.errors import InputError
 from service.reward import score_probes
 from training.benchmark import BenchmarkQuery, load_split
 from training.diffusion_methods import diffusion
@@ -63,7 +64,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """Run `method` over `split` in batches and return the report dict."""
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; available: {sorted(METHODS)}")
+        raise InputError(f"unknown method {method!r}; available: {sorted(METHODS)}")
     queries = load_split(bundle.path, split)[:limit]
     encoder = encoder or Encoder(bundle.encoder_config)
     run = METHODS[method](bundle, k=k, **options)
