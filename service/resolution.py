@@ -6,6 +6,7 @@ import faiss
 import numpy as np
 
 from service.index import search
+from service.selection import claim_round_robin
 
 DEPTH = 16  # neighbours fetched per probe; collisions beyond this are rare and retried deeper
 
@@ -40,21 +41,13 @@ def distinct_nearest(
 def _claim(
     rows: np.ndarray, scores: np.ndarray, allow_repeat: bool
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Greedy claim for one query: rows/scores (k, depth) sorted best first per slot."""
-    k, depth = rows.shape
-    taken: set[int] = set()
-    out_rows = np.empty(k, dtype=np.int64)
-    out_scores = np.empty(k, dtype=np.float32)
-    for slot in np.argsort(-scores[:, 0], kind="stable"):
-        for j in range(depth):
-            row = int(rows[slot, j])
-            if row >= 0 and row not in taken:
-                taken.add(row)
-                out_rows[slot], out_scores[slot] = row, scores[slot, j]
-                break
-        else:
-            if allow_repeat:
-                out_rows[slot], out_scores[slot] = rows[slot, 0], scores[slot, 0]
-                continue
-            return None
-    return out_rows, out_scores
+    """One query's slots claim one item each (rows/scores (k, depth), best first per slot):
+    the first round of `service.selection.claim_round_robin`, laid out by slot."""
+    k = rows.shape[0]
+    picked = claim_round_robin(rows, scores, k, max_rounds=1)
+    out_rows, out_scores = rows[:, 0].copy(), scores[:, 0].copy()  # repeats, if allowed
+    if len(picked.rows) < k and not allow_repeat:
+        return None
+    for row, score, slot in zip(picked.rows, picked.scores, picked.slots, strict=True):
+        out_rows[slot], out_scores[slot] = row, score
+    return out_rows, out_scores.astype(np.float32)
