@@ -2,8 +2,9 @@
 
 Loads a bundle's `folm/` (or `folm-warmstart/`) folder: `model.onnx` (see
 training/policy_export.py for its inputs and outputs), `tokenizer.json` and `folm.json`.
-Prompts are left-padded; one prompt pass fills the cache, then one token per step for the
-whole batch until every row has produced <eos> or the token budget is spent.
+Callers build the prompts (service.fanout.PromptBuilder). Prompts are left-padded; one prompt
+pass fills the cache, then one token per step for the whole batch until every row has produced
+<eos> or the token budget is spent.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from service.errors import BundleError
-from service.fanout import build_prompt
 from service.sessions import open_session
 
 MODEL_FILE = "model.onnx"
@@ -61,9 +61,9 @@ class FanoutDecoder:
         self.providers: list[str] = self.session.get_providers()
         self.n_layers = int(self.config["n_layers"])
 
-    def _prompt_batch(self, queries: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def _prompt_batch(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Left-padded prompt ids and mask, both (B, P) int64."""
-        encoded = [e.ids for e in self.tokenizer.encode_batch([build_prompt(q) for q in queries])]
+        encoded = [e.ids for e in self.tokenizer.encode_batch(prompts)]
         width = max(len(ids) for ids in encoded)
         ids = np.full((len(encoded), width), self.config["pad_id"], dtype=np.int64)  # (B, P)
         mask = np.zeros((len(encoded), width), dtype=np.int64)  # (B, P)
@@ -94,23 +94,23 @@ class FanoutDecoder:
 
     def generate(
         self,
-        queries: list[str],
+        prompts: list[str],
         temperature: float = 0.0,
         max_new_tokens: int | None = None,
         seed: int | None = None,
     ) -> list[Generation]:
-        """Decode one completion per query (greedy at temperature 0)."""
-        if not queries:
+        """Decode one completion per prompt (greedy at temperature 0)."""
+        if not prompts:
             return []
         budget = int(max_new_tokens or self.config["max_new_tokens"])
         eos, rng = int(self.config["eos_id"]), np.random.default_rng(seed)
-        ids, mask = self._prompt_batch(queries)
+        ids, mask = self._prompt_batch(prompts)
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)  # (B, P)
-        logits, past = self._step(ids, mask, positions, self._empty_cache(len(queries)))
+        logits, past = self._step(ids, mask, positions, self._empty_cache(len(prompts)))
         next_pos = positions[:, -1:] + 1  # (B, 1)
-        tokens = np.zeros((len(queries), budget), dtype=np.int64)  # (B, budget)
-        done = np.zeros(len(queries), dtype=bool)
-        lengths = np.full(len(queries), budget, dtype=np.int64)
+        tokens = np.zeros((len(prompts), budget), dtype=np.int64)  # (B, budget)
+        done = np.zeros(len(prompts), dtype=bool)
+        lengths = np.full(len(prompts), budget, dtype=np.int64)
         for step in range(budget):
             token = sample_categorical(logits, temperature, rng)  # (B,)
             token = np.where(done, eos, token)
@@ -120,10 +120,10 @@ class FanoutDecoder:
             done |= newly
             if done.all() or step == budget - 1:
                 break
-            mask = np.concatenate([mask, np.ones((len(queries), 1), dtype=np.int64)], axis=1)
+            mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)
             logits, past = self._step(token[:, None], mask, next_pos, past)
             next_pos = next_pos + 1
-        return [self._finish(tokens[i, : lengths[i]], eos) for i in range(len(queries))]
+        return [self._finish(tokens[i, : lengths[i]], eos) for i in range(len(prompts))]
 
     def _finish(self, row: np.ndarray, eos: int) -> Generation:
         body = row[:-1] if len(row) and row[-1] == eos else row

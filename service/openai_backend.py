@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 
 from service.errors import UnavailableError
-from service.fanout import build_prompt
 
 RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_RETRY_AFTER_S = 5.0
@@ -61,16 +60,16 @@ class OpenAICompletionBackend:
             "timeout_s": c.timeout_s, "retries": c.retries,
         }
 
-    def generate(self, queries: list[str]) -> list[str]:
+    def generate(self, prompts: list[str]) -> list[str]:
         body = {
             "model": self.config.model,
-            "prompt": [build_prompt(q) for q in queries],
+            "prompt": list(prompts),
             "max_tokens": self.config.max_tokens,
             "temperature": self.config.temperature,
             "n": 1,
         }
         payload = self._post("/completions", body)
-        return self._texts(payload, len(queries))
+        return self._texts(payload, len(prompts))
 
     def close(self) -> None:
         self._client.close()

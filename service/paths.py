@@ -21,7 +21,7 @@ import numpy as np
 
 from service.bundle import Bundle
 from service.encoder import Encoder, normalize
-from service.fanout import parse_fanout
+from service.fanout import PromptBuilder, parse_fanout
 from service.selection import Selection, select_items
 
 
@@ -62,11 +62,11 @@ class Sampler(Protocol):
 
 
 class FanoutBackend(Protocol):
-    """Writes one fan-out completion per query (text in service.fanout's format)."""
+    """Writes one fan-out completion per prompt (text in service.fanout's format)."""
 
     name: str
 
-    def generate(self, queries: list[str]) -> list[str]: ...
+    def generate(self, prompts: list[str]) -> list[str]: ...
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -150,9 +150,9 @@ class OnnxFanoutBackend:
         self.decoder, self.temperature = decoder, temperature
         self.max_new_tokens, self.seed = max_new_tokens, seed
 
-    def generate(self, queries: list[str]) -> list[str]:
+    def generate(self, prompts: list[str]) -> list[str]:
         generations = self.decoder.generate(
-            queries, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+            prompts, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
             seed=self.seed,
         )
         return [g.text for g in generations]
@@ -169,35 +169,42 @@ class OnnxFanoutBackend:
 
 
 class AutoregressivePath:
-    """Fan-out text → sub-queries → embeddings → k distinct nearest items."""
+    """Query → its catalog context → fan-out text → sub-queries → k distinct nearest items."""
 
     name = "ar"
 
     def __init__(
-        self, bundle: Bundle, encoder: Encoder, backend: FanoutBackend, fanout_k: int
+        self, bundle: Bundle, encoder: Encoder, backend: FanoutBackend, fanout_k: int,
+        context: int = 0,
     ) -> None:
         self.bundle, self.encoder, self.backend, self.fanout_k = bundle, encoder, backend, fanout_k
+        self.prompts = PromptBuilder(bundle.index, bundle.items.texts, context)
 
     @property
     def providers(self) -> list[str]:
         return list(self.backend.describe().get("providers", [self.backend.name]))
 
     def describe(self) -> dict[str, Any]:
-        return {"fanout_k": self.fanout_k, **self.backend.describe()}
+        return {"fanout_k": self.fanout_k, "context": self.prompts.n, **self.backend.describe()}
 
     def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
         clock = StageClock()
-        completions = self.backend.generate([q.text for q in batch])
+        texts = [q.text for q in batch]
+        queries = self.encoder.encode(texts)  # (B, d)
+        clock.lap("encode")
+        prompts = self.prompts.prompts(texts, queries)
+        clock.lap("search")
+        completions = self.backend.generate(prompts)
         if len(completions) != len(batch):
             raise RuntimeError(f"{len(completions)} completions for {len(batch)} queries")
         clock.lap("decode")
         parsed = [parse_fanout(text, self.fanout_k) for text in completions]
         subs = [[s for s, ok in zip(p.subqueries, p.valid, strict=True) if ok] for p in parsed]
-        flat = [q.text for q in batch] + [s for group in subs for s in group]
+        flat = [s for group in subs for s in group]
         clock.lap("postprocess")
-        embedded = self.encoder.encode(flat)  # (B + ΣS, d)
+        embedded = self.encoder.encode(flat)  # (ΣS, d)
         clock.lap("encode")
-        queries, probes, start = embedded[: len(batch)], [], len(batch)
+        probes, start = [], 0
         for group in subs:
             probes.append(embedded[start : start + len(group)])  # (S_i, d)
             start += len(group)

@@ -71,14 +71,20 @@ class Loaders:
     decoder: ComponentFactory = default_decoder
 
 
-def _ar_backend(settings: Settings, bundle: Bundle, loaders: Loaders) -> tuple[FanoutBackend, int]:
+def _ar_backend(
+    settings: Settings, bundle: Bundle, loaders: Loaders
+) -> tuple[FanoutBackend, int, int]:
+    """The backend, its k and the number of catalog names its prompts carry."""
     choice = settings.ar_backend
     if choice == "onnx" or (choice == "auto" and bundle.has(DECODER_FILE)):
         decoder = loaders.decoder(bundle.path / "folm", settings.provider_list, settings.threads)
         backend = OnnxFanoutBackend(
             decoder, settings.ar_temperature, settings.ar_max_new_tokens, settings.seed
         )
-        return backend, int(decoder.config.get("k", settings.fanout_k))
+        context = settings.ar_context
+        if context is None:
+            context = int(decoder.config.get("context", 0))
+        return backend, int(decoder.config.get("k", settings.fanout_k)), context
     if settings.openai_base_url:
         key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
         config = OpenAIConfig(
@@ -87,7 +93,7 @@ def _ar_backend(settings: Settings, bundle: Bundle, loaders: Loaders) -> tuple[F
             backoff_s=settings.openai_backoff_s, max_connections=settings.openai_max_connections,
             temperature=settings.ar_temperature or 0.0, max_tokens=settings.ar_max_new_tokens,
         )
-        return OpenAICompletionBackend(config), settings.fanout_k
+        return OpenAICompletionBackend(config), settings.fanout_k, settings.ar_context or 0
     raise BundleError(f"bundle has no {DECODER_FILE} and R4T_OPENAI_BASE_URL is not set")
 
 
@@ -106,8 +112,8 @@ def load_paths(
     except Exception as exc:
         problems["diffusion"] = f"{type(exc).__name__}: {exc}"
     try:
-        backend, fanout_k = _ar_backend(settings, bundle, loaders)
-        paths["ar"] = AutoregressivePath(bundle, encoder, backend, fanout_k)
+        backend, fanout_k, context = _ar_backend(settings, bundle, loaders)
+        paths["ar"] = AutoregressivePath(bundle, encoder, backend, fanout_k, context)
     except Exception as exc:
         problems["ar"] = f"{type(exc).__name__}: {exc}"
     return paths, problems

@@ -105,6 +105,11 @@ class Settings(BaseSettings):
         "line under greedy decoding).",
     )
     ar_max_new_tokens: int = Field(160, ge=1, description="Token budget of one fan-out.")
+    ar_context: int | None = Field(
+        None, ge=0, le=64, description="Nearest catalog names put in the fan-out prompt; None = "
+        "what the bundle's fan-out model was trained with (folm.json 'context'; 0 for an "
+        "external endpoint).",
+    )
     openai_base_url: str | None = Field(
         None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1."
     )

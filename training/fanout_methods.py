@@ -21,7 +21,7 @@ import numpy as np
 from service.bundle import Bundle
 from service.decoding import FanoutDecoder
 from service.encoder import Encoder
-from service.fanout import ParsedFanout, parse_fanout
+from service.fanout import ParsedFanout, PromptBuilder, parse_fanout
 from service.reward import score_probes
 from training.grpo import embed_subqueries
 from training.methods import Method, MethodOutput, fanout_output
@@ -32,6 +32,11 @@ SEED = 0
 
 def _decoder(bundle: Bundle, folder: str, threads: int) -> FanoutDecoder:
     return FanoutDecoder(bundle.path / folder, threads=threads)
+
+
+def _prompts(bundle: Bundle, decoder: FanoutDecoder) -> PromptBuilder:
+    """The prompts the service would build for this decoder (same catalog context)."""
+    return PromptBuilder(bundle.index, bundle.items.texts, int(decoder.config.get("context", 0)))
 
 
 def _output(
@@ -53,9 +58,10 @@ def one_sample_method(
     decoder = _decoder(bundle, folder, threads)
     encoder = Encoder(bundle.encoder_config)
     temp = sampling_temperature(decoder, temperature)
+    prompts = _prompts(bundle, decoder)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
-        gens = decoder.generate(texts, temperature=temp, seed=seed)
+        gens = decoder.generate(prompts.prompts(texts, queries), temperature=temp, seed=seed)
         parsed = [parse_fanout(g.text, k) for g in gens]
         return _output(bundle, encoder, parsed, queries)
 
@@ -84,9 +90,10 @@ def best_of_5(
     decoder = _decoder(bundle, "folm-warmstart", threads)
     encoder = Encoder(bundle.encoder_config)
     temp = sampling_temperature(decoder, temperature)
+    prompts = _prompts(bundle, decoder)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
-        repeated = [t for t in texts for _ in range(n)]  # query-major: (Q·n,)
+        repeated = [p for p in prompts.prompts(texts, queries) for _ in range(n)]  # (Q·n,)
         gens = decoder.generate(repeated, temperature=temp, seed=seed)
         parsed = [parse_fanout(g.text, k) for g in gens]
         q_rep = np.repeat(queries, n, axis=0)  # (Q·n, d)

@@ -25,7 +25,7 @@ import numpy as np
 
 from service.bundle import Bundle, git_commit, load_bundle
 from service.encoder import Encoder
-from service.fanout import ParsedFanout, build_prompt, parse_fanout
+from service.fanout import ParsedFanout, PromptBuilder, item_name, parse_fanout
 from service.index import search
 from service.reward import RewardTerms, RewardWeights, score_probes
 from training.commands import subcommand_group
@@ -91,13 +91,19 @@ class FanoutScorer:
             self._query_cache.update(zip(missing, self.encoder.encode(missing), strict=True))
         return np.stack([self._query_cache[q] for q in queries])  # (G, d)
 
+    def prompts(self, queries: list[str], context: int) -> list[str]:
+        """The policy's prompts, with each query's `context` nearest catalog names."""
+        builder = PromptBuilder(self.bundle.index, self.bundle.items.texts, context)
+        return builder.prompts(queries, self.query_embeddings(queries))
+
     def score(self, queries: list[str], completions: list[str]) -> tuple[RewardTerms, list]:
         key = (*queries, "\x00", *completions)
         if self._last is not None and self._last[0] == key:
             return self._last[1], self._last[2]
         parsed = [parse_fanout(c, self.k) for c in completions]
         probes = embed_subqueries(self.encoder, parsed)  # (G, k, d)
-        valid = np.stack([p.valid for p in parsed])  # (G, k)
+        # more than k lines is malformed: every slot scores 0 (fewer lose only missing slots)
+        valid = np.stack([p.valid & (p.n_lines <= self.k) for p in parsed])  # (G, k)
         terms = score_probes(self.bundle.index, self.bundle.items.embeddings,
                              self.query_embeddings(queries), probes, valid, RewardWeights())
         self._last = (key, terms, parsed)
@@ -176,7 +182,8 @@ def train_grpo(
               "reward_terms": dict(zip(REWARD_MODES[config.reward], weights, strict=True)),
               "seed": config.seed, "git_commit": git_commit()}
     (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
-    data = Dataset.from_dict({"prompt": [build_prompt(q) for q in queries], "query": queries})
+    prompts = scorer.prompts(queries, int(policy.get("context", 0)))
+    data = Dataset.from_dict({"prompt": prompts, "query": queries})
     args = trl_config(config, run_dir, int(policy.get("max_new_tokens", 48)), weights)
     trainer = GRPOTrainer(model=str(init), reward_funcs=funcs, args=args, train_dataset=data,
                           processing_class=tokenizer)
@@ -244,10 +251,10 @@ def _smooth(values: list, window: int = 10) -> list[float]:
 
 
 def policy_fanouts(
-    checkpoint: Path, queries: list[str], max_new_tokens: int, temperature: float = 1.0,
+    checkpoint: Path, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
     seed: int = 0,
 ) -> list[str]:
-    """One completion per query from a HF checkpoint (sampled; greedy at temperature 0)."""
+    """One completion per prompt from a HF checkpoint (sampled; greedy at temperature 0)."""
     import torch
 
     from training.policy import load_policy
@@ -257,8 +264,8 @@ def policy_fanouts(
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} \
         if temperature > 0 else {"do_sample": False}
     texts: list[str] = []
-    for start in range(0, len(queries), 64):
-        batch = [build_prompt(q) for q in queries[start : start + 64]]
+    for start in range(0, len(prompts), 64):
+        batch = prompts[start : start + 64]
         enc = tokenizer(batch, return_tensors="pt", padding=True)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens,
@@ -272,8 +279,6 @@ def collapse_signatures(
     scorer: FanoutScorer, queries: list[str], completions: list[str]
 ) -> dict[str, Any]:
     """The paper's collapse modes, measured: nonsense near one item; paraphrases of the query."""
-    from training.policy import item_name
-
     terms, parsed = scorer.score(queries, completions)
     names = {item_name(t).lower() for t in scorer.bundle.items.texts}
     probes = embed_subqueries(scorer.encoder, parsed)  # (G, k, d)
@@ -312,8 +317,9 @@ def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int =
     queries = query_texts(bundle_dir, "val")[:limit]
     report = {}
     for name, checkpoint in checkpoints.items():
-        budget = int(policy_meta(checkpoint).get("policy", {}).get("max_new_tokens", 48))
-        completions = policy_fanouts(checkpoint, queries, budget)
+        policy = policy_meta(checkpoint).get("policy", {})
+        prompts = scorer.prompts(queries, int(policy.get("context", 0)))
+        completions = policy_fanouts(checkpoint, prompts, int(policy.get("max_new_tokens", 48)))
         report[name] = collapse_signatures(scorer, queries, completions)
     out = bundle_dir / "runs" / "ablation"
     out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from service.fanout import build_prompt, format_fanout
+from service.fanout import CONTEXT_SEPARATOR, build_prompt, format_fanout, item_name
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
@@ -40,13 +40,14 @@ class PolicyConfig:
     max_positions: int = 256
     max_new_tokens: int = 64  # ten catalog names, one per line: median 48 tokens, p99 60
     k: int = 10
+    context: int = 16  # nearest catalog names in the prompt (service/fanout.py); 0 = none
     rope_theta: float = 10000.0
 
 
 POLICY_PRESETS: dict[str, PolicyConfig] = {
     "tiny": PolicyConfig(
         preset="tiny", vocab_size=384, hidden_size=32, n_layers=2, n_heads=2, n_kv_heads=1,
-        intermediate_size=64, max_positions=128, max_new_tokens=32,
+        intermediate_size=64, max_positions=128, max_new_tokens=32, context=4,
     ),
     "cpu": PolicyConfig(),
 }
@@ -72,17 +73,14 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 def tokenizer_corpus(catalog_texts: list[str], queries: list[str]) -> list[str]:
-    """What the tokenizer sees: catalog texts, prompts and fan-out-shaped lines of names."""
-    prompts = [build_prompt(q) for q in queries]
+    """What the tokenizer sees: catalog texts, prompts and fan-out/context-shaped name lists."""
     names = [item_name(t) for t in catalog_texts]
-    name_blocks = [format_fanout(names[i : i + 10]) for i in range(0, len(names), 10)]
-    return [*catalog_texts, *prompts, *name_blocks]
-
-
-def item_name(text: str) -> str:
-    """An item's first lemma: the text before the first comma or colon."""
-    head = text.split(":", 1)[0]
-    return head.split(",", 1)[0].strip()
+    blocks = [names[i : i + 10] for i in range(0, len(names), 10)]
+    prompts = [build_prompt(q, blocks[i % len(blocks)] if blocks else ()) for i, q in
+               enumerate(queries)]
+    name_blocks = [format_fanout(b) for b in blocks]
+    context_blocks = [CONTEXT_SEPARATOR.join(b) for b in blocks]
+    return [*catalog_texts, *prompts, *name_blocks, *context_blocks]
 
 
 def hf_tokenizer(tokenizer: Tokenizer, max_length: int) -> PreTrainedTokenizerFast:

@@ -122,6 +122,7 @@ def folm_config(model: Any, tokenizer: Any, meta: dict[str, Any]) -> dict[str, A
         "pad_id": tokenizer.pad_token_id,
         "max_new_tokens": int(policy.get("max_new_tokens", 48)),
         "k": int(policy.get("k", 10)),
+        "context": int(policy.get("context", 0)),  # catalog names in the prompt
         "preset": policy.get("preset", "custom"),
         # the temperature the policy was optimised at: serve and evaluate by sampling at it
         "temperature": float(meta.get("config", {}).get("temperature", 1.0)),

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from service.bundle import git_commit, load_bundle
 from service.encoder import Encoder
-from service.fanout import build_prompt, parse_fanout
+from service.fanout import PromptBuilder, parse_fanout
 from service.index import search
 from service.reward import reward_terms
 
@@ -71,7 +71,7 @@ class SynthesisDataset:
 
 
 class Sampler(Protocol):
-    def sample(self, query: str, n: int, temperature: float, max_new_tokens: int,
+    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
                seed: int) -> tuple[list[str], int]: ...
 
 
@@ -83,9 +83,9 @@ class OnnxSampler:
 
         self.decoder = FanoutDecoder(folm_dir, threads=threads)
 
-    def sample(self, query: str, n: int, temperature: float, max_new_tokens: int,
+    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
                seed: int) -> tuple[list[str], int]:
-        gens = self.decoder.generate([query] * n, temperature, max_new_tokens, seed)
+        gens = self.decoder.generate([prompt] * n, temperature, max_new_tokens, seed)
         return [g.text for g in gens], sum(g.n_tokens for g in gens)
 
 
@@ -98,12 +98,12 @@ class TorchSampler:
         self.model, self.tokenizer = load_policy(checkpoint)
         self.model.eval()
 
-    def sample(self, query: str, n: int, temperature: float, max_new_tokens: int,
+    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
                seed: int) -> tuple[list[str], int]:
         import torch
 
         torch.manual_seed(seed)
-        enc = self.tokenizer([build_prompt(query)], return_tensors="pt")
+        enc = self.tokenizer([prompt], return_tensors="pt")
         with torch.no_grad():
             out = self.model.generate(
                 **enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
@@ -128,9 +128,9 @@ class HttpSampler:
         self.model = model
         self.client = httpx.Client(base_url=endpoint.rstrip("/"), timeout=timeout)
 
-    def sample(self, query: str, n: int, temperature: float, max_new_tokens: int,
+    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
                seed: int) -> tuple[list[str], int]:
-        body = {"model": self.model, "prompt": build_prompt(query), "n": n,
+        body = {"model": self.model, "prompt": prompt, "n": n,
                 "temperature": temperature, "max_tokens": max_new_tokens, "seed": seed}
         response = self.client.post("/v1/completions", json=body)
         response.raise_for_status()
@@ -207,7 +207,7 @@ def synthesize_shard(
     lines, tokens, samples, dropped = [], 0, 0, 0
     searches_before = ctx["cache"].searches
     for qi in queries:
-        texts, n_tok = ctx["sampler"].sample(ctx["queries"][qi], config.samples_per_query,
+        texts, n_tok = ctx["sampler"].sample(ctx["prompts"][qi], config.samples_per_query,
                                              config.temperature, ctx["max_new_tokens"],
                                              config.seed * 1_000_003 + qi)
         tokens, samples = tokens + n_tok, samples + len(texts)
@@ -278,18 +278,21 @@ def synthesize(
     run_dir = run_dir or bundle_dir / "runs" / SYNTHESIS_RUN
     (run_dir / SHARDS).mkdir(parents=True, exist_ok=True)
     queries = queries if queries is not None else query_texts(bundle_dir, "train")
+    policy = policy_meta(checkpoint).get("policy", {})
+    context = int(policy.get("context", 0))  # catalog names in each prompt, as trained
     record = {"stage": "synthesis", "config": asdict(config), "checkpoint": str(checkpoint),
-              "n_queries": len(queries), "seed": config.seed, "git_commit": git_commit()}
+              "n_queries": len(queries), "context": context, "seed": config.seed,
+              "git_commit": git_commit()}
     _check_resume(run_dir, record)
     bundle = load_bundle(bundle_dir)
     encoder = Encoder(bundle.encoder_config)
     query_emb = encoder.encode(queries)  # (Q, d)
     np.save(run_dir / "query_emb.npy", query_emb)
     (run_dir / "queries.json").write_text(json.dumps(queries) + "\n")
-    budget = config.max_new_tokens or int(policy_meta(checkpoint).get("policy", {}).get(
-        "max_new_tokens", 48))
+    budget = config.max_new_tokens or int(policy.get("max_new_tokens", 48))
+    prompts = PromptBuilder(bundle.index, bundle.items.texts, context).prompts(queries, query_emb)
     ctx = {"sampler": make_sampler(config, checkpoint, run_dir),
-           "cache": ResolutionCache(bundle, encoder), "queries": queries,
+           "cache": ResolutionCache(bundle, encoder), "queries": queries, "prompts": prompts,
            "query_emb": query_emb, "max_new_tokens": budget, "dim": encoder.dim}
     ledger = _load_ledger(run_dir)
     shards = [list(range(s, min(s + config.shard_queries, len(queries))))

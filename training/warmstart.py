@@ -1,10 +1,12 @@
 """Warm start of the FOLM: our tiny model knows no language, so it first learns one.
 
 Phase 1, language modelling on the catalog's texts. Phase 2, supervised fan-outs: for each
-training query, a target of k distinct names sampled from the query's dense nearest catalog
-neighbours (top `pool` by cosine), in random order. The targets use only catalog texts and
-embeddings — never the evaluation hierarchy — so the warm start plays the role of the paper's
-zero-shot baselines: well-formed but redundant fan-outs, close to the query.
+training query, the prompt carries the names of its `context` nearest catalog items
+(service/fanout.py) and the target is k of those names sampled at random, in similarity order.
+With no context (policy `context` = 0) the target is sampled from the top `pool` neighbours
+instead. The targets use only catalog texts and embeddings — never the evaluation hierarchy —
+so the warm start plays the role of the paper's zero-shot baselines: well-formed fan-outs close
+to the query, chosen without regard to redundancy; choosing well is stage 1's job.
 
 Training queries: the train split's texts plus `extra_queries` catalog item names chosen at
 random, excluding every val/test query text (compared case-insensitively).
@@ -24,7 +26,7 @@ from tqdm import tqdm
 
 from service.bundle import git_commit, load_bundle
 from service.encoder import Encoder
-from service.fanout import build_prompt, format_fanout
+from service.fanout import build_prompt, context_names, format_fanout, item_name
 from service.index import search
 from training.benchmark import query_texts
 from training.policy import (
@@ -34,7 +36,6 @@ from training.policy import (
     build_model,
     hf_tokenizer,
     init_embeddings_from_encoder,
-    item_name,
     n_params,
     save_policy,
     tokenizer_corpus,
@@ -49,7 +50,7 @@ FINAL = "final"
 class WarmStartConfig:
     preset: str = "cpu"
     lm_steps: int = 400
-    sft_steps: int = 1600
+    sft_steps: int = 1000
     batch_size: int = 32
     lm_seq_len: int = 64
     lr: float = 2e-3
@@ -199,11 +200,15 @@ def warm_start(
         ids = lm_batch(stream, config.batch_size, config.lm_seq_len, rng)  # (B, L)
         return ids, torch.ones_like(ids), ids
 
-    neighbours = neighbour_names(bundle.index, names, encoder.encode(queries), config.pool)
+    query_emb = encoder.encode(queries)  # (Q, d)
+    n_context = policy_config.context
+    contexts = context_names(bundle.index, names, query_emb, n_context, queries)
+    neighbours = contexts if n_context else neighbour_names(bundle.index, names, query_emb,
+                                                            config.pool)
 
     def make_sft() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         picks = rng.integers(0, len(queries), size=config.batch_size)
-        prompts = [build_prompt(queries[i]) for i in picks]
+        prompts = [build_prompt(queries[i], contexts[i]) for i in picks]
         targets = [sample_target(neighbours[i], policy_config.k, rng, config.ranked)
                    for i in picks]
         return sft_batch(tokenizer, prompts, targets)

@@ -157,7 +157,7 @@ class CompletionServerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def completion(self, prompt: str) -> str:
-        query = prompt.removeprefix("query: ").split("\nfan-out:", 1)[0]
+        query = prompt.removeprefix("query: ").split("\n", 1)[0]
         if MALFORMED_MARK in query:
             return "just one line\n\n\nthen garbage " + "x" * 300
         lines = self.fanouts.get(query) or [f"{query} {n}" for n in range(1, 11)]

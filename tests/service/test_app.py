@@ -75,6 +75,26 @@ def test_ar_items_match_the_fanout_subqueries(server, benchmark_queries, complet
     assert body["notes"] == []
 
 
+def test_ar_prompt_carries_the_querys_catalog_neighbours(
+    settings_for, serving_bundle, benchmark_queries, completion_server
+):
+    from service.bundle import load_bundle
+    from service.encoder import Encoder
+    from service.fanout import PromptBuilder
+
+    query = benchmark_queries[2].query
+    bundle = load_bundle(serving_bundle)
+    expected = PromptBuilder(bundle.index, bundle.items.texts, 3).prompts(
+        [query], Encoder(bundle.encoder_config).encode([query]))[0]
+    with live_server(settings_for(ar_context=3)) as live, live.client() as client:
+        response = client.post("/v1/retrieve", json={"query": query, "route": "ar"})
+        assert response.status_code == 200, response.text
+        assert client.get("/v1/info").json()["served"]["paths"]["ar"]["context"] == 3
+    assert "\ncatalog: " in expected and len(expected.split("; ")) == 3
+    assert expected in completion_server.state.prompts
+    assert_k_unique(response.json(), 10)
+
+
 def test_malformed_fanout_still_returns_k_items_and_says_so(server):
     with server.client() as client:
         response = client.post(

@@ -23,7 +23,8 @@ from training.policy import (
 )
 from training.policy_export import export_folder
 
-PROMPTS = ["camping", "kitchen utensils", "a much longer query about musical instruments"]
+PROMPTS = [build_prompt("camping", ["tent", "camping tent"]), build_prompt("kitchen utensils"),
+           build_prompt("a much longer query about musical instruments", ["violin"])]
 TEXTS = ["tent, camping tent: gear for camping", "whisk: a kitchen utensil",
          "violin: a bowed musical instrument", "hammer: a hand tool"] * 10
 
@@ -46,11 +47,11 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "ckpt", root / "folm"
 
 
-def torch_greedy(checkpoint: Path, queries: list[str], budget: int) -> list[str]:
+def torch_greedy(checkpoint: Path, prompts: list[str], budget: int) -> list[str]:
     model, tokenizer = load_policy(checkpoint)
     texts = []
-    for query in queries:  # one at a time: no padding on the reference side
-        enc = tokenizer([build_prompt(query)], return_tensors="pt")
+    for prompt in prompts:  # one at a time: no padding on the reference side
+        enc = tokenizer([prompt], return_tensors="pt")
         with torch.no_grad():
             out = model.generate(**enc, do_sample=False, max_new_tokens=budget,
                                  pad_token_id=tokenizer.pad_token_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.errors import UnavailableError
-from service.fanout import parse_fanout
+from service.fanout import build_prompt, parse_fanout
 from service.openai_backend import OpenAICompletionBackend, OpenAIConfig
 
 
@@ -17,7 +17,7 @@ def test_one_call_per_batch_in_order(completion_server, benchmark_queries):
     client = backend(completion_server.url)
     queries = [q.query for q in benchmark_queries[:3]] + ["unknown thing"]
     before = completion_server.state.requests
-    texts = client.generate(queries)
+    texts = client.generate([build_prompt(q) for q in queries])
     client.close()
     assert completion_server.state.requests == before + 1
     assert parse_fanout(texts[3], 10).subqueries[0] == "unknown thing 1"

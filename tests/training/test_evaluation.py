@@ -6,7 +6,7 @@ import pytest
 from service.bundle import load_bundle
 from training.benchmark import load_split, query_texts
 from training.evaluation import METRICS, evaluate, write_report
-from training.methods import mmr_select
+from training.methods import mmr_select, reward_greedy_select
 from training.metrics import group_hit_rate, precision, recall, set_vendi
 
 
@@ -28,13 +28,22 @@ def test_mmr_prefers_a_new_direction_over_a_near_duplicate():
     assert mmr_select(query, candidates, 2, lam=1.0) == [0, 1]
 
 
+def test_reward_greedy_takes_one_duplicate_then_new_directions():
+    query = np.array([1.0, 0.0, 0.0])
+    a = np.array([0.95, 0.312, 0.0])
+    b, c = np.array([0.7, 0.0, 0.714]), np.array([0.7, -0.714, 0.0])
+    candidates = np.stack([a, a, a, b, c]) / np.linalg.norm([a, a, a, b, c], axis=1)[:, None]
+    picked = reward_greedy_select(query, candidates, 3)
+    assert picked[0] in (0, 1, 2) and sorted(picked[1:]) == [3, 4]
+
+
 def test_training_view_of_the_benchmark_is_text_only(small_bundle_dir):
     texts = query_texts(small_bundle_dir, "train")
     assert texts and all(isinstance(t, str) for t in texts)
     assert texts == [q.query for q in load_split(small_bundle_dir, "train")]
 
 
-@pytest.mark.parametrize("method", ["single", "mmr"])
+@pytest.mark.parametrize("method", ["single", "mmr", "reward-greedy"])
 def test_report_shape_and_ranges(small_bundle_dir, method):
     bundle = load_bundle(small_bundle_dir)
     report = evaluate(bundle, method, split="train")
