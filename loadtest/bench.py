@@ -85,10 +85,10 @@ def ar_batch(queries: list[str], encoder: Encoder, decoder: FanoutDecoder,
              bundle: Any, k: int, builder: PromptBuilder) -> dict[str, float]:
     clock: dict[str, float] = {}
     started = time.perf_counter()
-    q = encoder.encode(queries)  # (B, d)
+    embedded = encoder.encode(queries)  # (B, d)
     clock["encode"] = time.perf_counter() - started
     started = time.perf_counter()
-    prompts = builder.prompts(queries, q)  # the query's catalog context: one dense search
+    prompts = builder.prompts(queries, embedded)  # the query's catalog context: one dense search
     clock["search"] = time.perf_counter() - started
     started = time.perf_counter()
     generations = decoder.generate(prompts, temperature=0.0)

@@ -87,6 +87,15 @@ class ParsedFanout:
     well_formed: bool  # exactly k non-empty, distinct, bounded lines
     n_lines: int = 0  # lines in the completion (more than k is malformed)
 
+    @property
+    def scored(self) -> np.ndarray:
+        """(k,) the slots the reward counts: none when the completion runs past k lines.
+
+        Serving still uses the first k lines (`valid`); training and evaluation score a
+        rambling completion 0 so that "exactly k" is what the policy learns.
+        """
+        return self.valid if self.n_lines <= len(self.valid) else np.zeros_like(self.valid)
+
 
 def parse_fanout(completion: str, k: int) -> ParsedFanout:
     """Split a completion into k sub-query slots and mark which slots are valid."""

@@ -3,8 +3,9 @@ items, the content-side groundedness of its probes and the batch's per-stage tim
 
 - diffusion: encode → the exported sampler (whole solver loop in ONNX Runtime) → nearest
   item per generated row → deduplicate (next-best neighbour on collisions);
-- autoregressive: the fan-out model (ONNX decoder with a KV cache, or an OpenAI-compatible
-  endpoint) → parse sub-queries → encode → nearest item per sub-query → deduplicate. A
+- autoregressive: encode → the query's nearest catalog names (the prompt's context) → the
+  fan-out model (ONNX decoder with a KV cache, or an OpenAI-compatible endpoint) → parse
+  sub-queries → encode → nearest item per sub-query → deduplicate. A
   malformed fan-out still yields k items: missing slots come from the query's dense
   neighbours, and the answer says so.
 """
@@ -178,21 +179,22 @@ class AutoregressivePath:
         context: int = 0,
     ) -> None:
         self.bundle, self.encoder, self.backend, self.fanout_k = bundle, encoder, backend, fanout_k
-        self.prompts = PromptBuilder(bundle.index, bundle.items.texts, context)
+        self.prompt_builder = PromptBuilder(bundle.index, bundle.items.texts, context)
 
     @property
     def providers(self) -> list[str]:
         return list(self.backend.describe().get("providers", [self.backend.name]))
 
     def describe(self) -> dict[str, Any]:
-        return {"fanout_k": self.fanout_k, "context": self.prompts.n, **self.backend.describe()}
+        return {"fanout_k": self.fanout_k, "context": self.prompt_builder.n,
+                **self.backend.describe()}
 
     def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
         clock = StageClock()
         texts = [q.text for q in batch]
         queries = self.encoder.encode(texts)  # (B, d)
         clock.lap("encode")
-        prompts = self.prompts.prompts(texts, queries)
+        prompts = self.prompt_builder.prompts(texts, queries)
         clock.lap("search")
         completions = self.backend.generate(prompts)
         if len(completions) != len(batch):

@@ -106,7 +106,7 @@ class Settings(BaseSettings):
     )
     ar_max_new_tokens: int = Field(160, ge=1, description="Token budget of one fan-out.")
     ar_context: int | None = Field(
-        None, ge=0, le=64, description="Nearest catalog names put in the fan-out prompt; None = "
+        None, ge=0, le=32, description="Nearest catalog names put in the fan-out prompt; None = "
         "what the bundle's fan-out model was trained with (folm.json 'context'; 0 for an "
         "external endpoint).",
     )

@@ -9,7 +9,8 @@ training, so greedy decoding would measure the decoder, not the policy. Seeds ar
 Each sub-query is embedded and resolved like every other method (k distinct nearest items,
 500 candidates per sub-query for Recall@5K). An invalid slot (missing, empty, duplicate)
 falls back to the query embedding as its probe so k items are still returned, and is marked
-invalid so the reward scores it 0.
+invalid so the reward scores it 0; a completion of more than k lines scores 0 in every slot,
+as in GRPO.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _output(
 ) -> MethodOutput:
     probes = embed_subqueries(encoder, parsed, fallback=queries)  # (Q, k, d)
     out = fanout_output(bundle, probes)
-    out.valid = np.stack([p.valid for p in parsed])  # (Q, k)
+    out.valid = np.stack([p.scored for p in parsed])  # (Q, k); > k lines scores 0
     return out
 
 
@@ -98,7 +99,7 @@ def best_of_5(
         parsed = [parse_fanout(g.text, k) for g in gens]
         q_rep = np.repeat(queries, n, axis=0)  # (Q·n, d)
         probes = embed_subqueries(encoder, parsed, fallback=q_rep)  # (Q·n, k, d)
-        valid = np.stack([p.valid for p in parsed])  # (Q·n, k)
+        valid = np.stack([p.scored for p in parsed])  # (Q·n, k)
         terms = score_probes(bundle.index, bundle.items.embeddings, q_rep, probes, valid)
         best = terms.total.reshape(len(texts), n).argmax(axis=1)  # (Q,)
         chosen = [parsed[i * n + int(b)] for i, b in enumerate(best)]

@@ -83,6 +83,7 @@ class FanoutScorer:
     def __init__(self, bundle: Bundle, encoder: Encoder, k: int) -> None:
         self.bundle, self.encoder, self.k = bundle, encoder, k
         self._query_cache: dict[str, np.ndarray] = {}
+        self._builders: dict[int, PromptBuilder] = {}
         self._last: tuple[tuple[str, ...], RewardTerms, list[ParsedFanout]] | None = None
 
     def query_embeddings(self, queries: list[str]) -> np.ndarray:
@@ -93,8 +94,10 @@ class FanoutScorer:
 
     def prompts(self, queries: list[str], context: int) -> list[str]:
         """The policy's prompts, with each query's `context` nearest catalog names."""
-        builder = PromptBuilder(self.bundle.index, self.bundle.items.texts, context)
-        return builder.prompts(queries, self.query_embeddings(queries))
+        if context not in self._builders:
+            self._builders[context] = PromptBuilder(self.bundle.index, self.bundle.items.texts,
+                                                    context)
+        return self._builders[context].prompts(queries, self.query_embeddings(queries))
 
     def score(self, queries: list[str], completions: list[str]) -> tuple[RewardTerms, list]:
         key = (*queries, "\x00", *completions)
@@ -102,8 +105,7 @@ class FanoutScorer:
             return self._last[1], self._last[2]
         parsed = [parse_fanout(c, self.k) for c in completions]
         probes = embed_subqueries(self.encoder, parsed)  # (G, k, d)
-        # more than k lines is malformed: every slot scores 0 (fewer lose only missing slots)
-        valid = np.stack([p.valid & (p.n_lines <= self.k) for p in parsed])  # (G, k)
+        valid = np.stack([p.scored for p in parsed])  # (G, k); > k lines scores 0
         terms = score_probes(self.bundle.index, self.bundle.items.embeddings,
                              self.query_embeddings(queries), probes, valid, RewardWeights())
         self._last = (key, terms, parsed)
@@ -119,7 +121,7 @@ def reward_functions(scorer: FanoutScorer, mode: str) -> tuple[list[Callable], l
             terms, parsed = scorer.score(list(query), list(completions))
             log = kwargs.get("log_metric")
             if log is not None and term == "ground":
-                log("distinct_subqueries", float(np.mean([p.valid.sum() for p in parsed])))
+                log("distinct_subqueries", float(np.mean([p.scored.sum() for p in parsed])))
                 log("well_formed", float(np.mean([p.well_formed for p in parsed])))
                 log("composite", float(terms.total.mean()))
                 for name in TERM_WEIGHTS:  # every term, trained on or not (ablations)

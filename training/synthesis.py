@@ -184,7 +184,7 @@ def resolve_samples(
     probes = vectors[slot].reshape(len(keep), k, -1)  # (S, k, d)
     rows = rows[slot].reshape(len(keep), k)  # (S, k)
     target = cache.bundle.items.embeddings[rows]  # (S, k, d)
-    valid = np.stack([parsed[i].valid for i in keep])  # (S, k)
+    valid = np.stack([parsed[i].scored for i in keep])  # (S, k): the GRPO reward's slots
     terms = reward_terms(query_emb, probes, valid, sims[slot].reshape(len(keep), k), target)
     return {"keep": np.asarray(keep), "rows": rows, "target": target, "terms": terms,
             "subs": [parsed[i].subqueries for i in keep]}
@@ -324,7 +324,7 @@ def _check_resume(run_dir: Path, record: dict[str, Any]) -> None:
     path = run_dir / "config.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        same = {k: old.get(k) for k in ("config", "checkpoint", "n_queries")}
+        same = {k: old.get(k) for k in ("config", "checkpoint", "n_queries", "context")}
         if same != {k: record[k] for k in same}:
             raise ValueError(f"{run_dir} holds a synthesis run with another config; "
                              "choose another --run-dir or delete it")

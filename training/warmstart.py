@@ -2,7 +2,8 @@
 
 Phase 1, language modelling on the catalog's texts. Phase 2, supervised fan-outs: for each
 training query, the prompt carries the names of its `context` nearest catalog items
-(service/fanout.py) and the target is k of those names sampled at random, in similarity order.
+(service/fanout.py) and the target is k of those names sampled at random, in similarity order
+(topped up from the wider neighbourhood when the context holds fewer than k).
 With no context (policy `context` = 0) the target is sampled from the top `pool` neighbours
 instead. The targets use only catalog texts and embeddings — never the evaluation hierarchy —
 so the warm start plays the role of the paper's zero-shot baselines: well-formed fan-outs close
@@ -54,7 +55,7 @@ class WarmStartConfig:
     batch_size: int = 32
     lm_seq_len: int = 64
     lr: float = 2e-3
-    pool: int = 40  # nearest neighbours a target's names are sampled from
+    pool: int = 40  # neighbours targets are sampled from when the policy has no context
     extra_queries: int = 4000
     ranked: bool = True  # sampled names keep their similarity order (else shuffled)
     encoder_init: bool = True  # token embeddings start at the retrieval encoder's vectors
@@ -94,6 +95,14 @@ def neighbour_names(
             seen.setdefault(names[r].lower(), names[r])
         out.append(list(seen.values()))
     return out
+
+
+def target_pool(context: list[str], wider: list[str], k: int) -> list[str]:
+    """The context's names, topped up from the wider neighbours when it has fewer than k."""
+    if len(context) >= k:
+        return context
+    listed = {c.lower() for c in context}
+    return [*context, *[w for w in wider if w.lower() not in listed]][: max(k, len(context))]
 
 
 def sample_target(
@@ -203,8 +212,9 @@ def warm_start(
     query_emb = encoder.encode(queries)  # (Q, d)
     n_context = policy_config.context
     contexts = context_names(bundle.index, names, query_emb, n_context, queries)
-    neighbours = contexts if n_context else neighbour_names(bundle.index, names, query_emb,
-                                                            config.pool)
+    wide = neighbour_names(bundle.index, names, query_emb, config.pool)
+    neighbours = [target_pool(c, w, policy_config.k) if n_context else w
+                  for c, w in zip(contexts, wide, strict=True)]
 
     def make_sft() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         picks = rng.integers(0, len(queries), size=config.batch_size)

@@ -23,7 +23,13 @@ from training.policy import (
     policy_meta,
     train_tokenizer,
 )
-from training.warmstart import WARMSTART_PRESETS, training_queries, warm_start
+from training.warmstart import (
+    WARMSTART_PRESETS,
+    sample_target,
+    target_pool,
+    training_queries,
+    warm_start,
+)
 
 THEMES = {
     "camping": ["tent", "sleeping bag", "lantern", "camp stove", "compass", "backpack",
@@ -92,6 +98,17 @@ def test_presets_are_ordered_by_size() -> None:
 def test_item_name_takes_first_lemma() -> None:
     assert item_name("tent, camping tent: gear used") == "tent"
     assert item_name("camping: gear") == "camping"
+
+
+def test_warm_start_targets_come_from_the_context_in_its_order() -> None:
+    context = [f"name {i}" for i in range(16)]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lines = sample_target(target_pool(context, [], 10), 10, rng).split("\n")
+        assert len(set(lines)) == 10 and set(lines) <= set(context)
+        assert lines == sorted(lines, key=context.index)  # similarity order kept
+    short = target_pool(["a", "b"], ["B", "c", "d", "a", "e"], 4)
+    assert short == ["a", "b", "c", "d"]  # topped up to k, no repeats (case-insensitive)
 
 
 def test_training_queries_exclude_val_and_test(bundle: Path) -> None:
