@@ -4,7 +4,8 @@ Loads a bundle's `folm/` (or `folm-warmstart/`) folder: `model.onnx` (see
 training/policy_export.py for its inputs and outputs), `tokenizer.json` and `folm.json`.
 Callers build the prompts (service.fanout.PromptBuilder). Prompts are left-padded; one prompt
 pass fills the cache, then one token per step for the whole batch until every row has produced
-<eos> or the token budget is spent.
+<eos>, its k-th line break (a stop sequence, like vLLM's `stop`: a fan-out is exactly k lines,
+so an eleventh line is cut, not decoded) or the token budget.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class FanoutDecoder:
         self.session = open_session(folm_dir / MODEL_FILE, providers, threads)
         self.providers: list[str] = self.session.get_providers()
         self.n_layers = int(self.config["n_layers"])
+        vocab = self.tokenizer.get_vocab_size()
+        self.newlines = np.array([self.tokenizer.decode([i], skip_special_tokens=False).count("\n")
+                                  for i in range(vocab)], dtype=np.int64)  # (V,) per token
 
     def _prompt_batch(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Left-padded prompt ids and mask, both (B, P) int64."""
@@ -98,11 +102,18 @@ class FanoutDecoder:
         temperature: float = 0.0,
         max_new_tokens: int | None = None,
         seed: int | None = None,
+        max_lines: int | None = None,
     ) -> list[Generation]:
-        """Decode one completion per prompt (greedy at temperature 0)."""
+        """Decode one completion per prompt (greedy at temperature 0).
+
+        A row stops at <eos> or at its `max_lines`-th line break (default: the fan-out's k;
+        0 = no stop), and its text is cut before that break.
+        """
         if not prompts:
             return []
         budget = int(max_new_tokens or self.config["max_new_tokens"])
+        stop = int(self.config.get("k", 0) if max_lines is None else max_lines)
+        lines = np.zeros(len(prompts), dtype=np.int64)  # (B,) line breaks so far
         eos, rng = int(self.config["eos_id"]), np.random.default_rng(seed)
         ids, mask = self._prompt_batch(prompts)
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)  # (B, P)
@@ -115,7 +126,8 @@ class FanoutDecoder:
             token = sample_categorical(logits, temperature, rng)  # (B,)
             token = np.where(done, eos, token)
             tokens[:, step] = token
-            newly = (token == eos) & ~done
+            lines += np.where(done, 0, self.newlines[np.minimum(token, len(self.newlines) - 1)])
+            newly = ((token == eos) | ((lines >= stop) & (stop > 0))) & ~done
             lengths[newly] = step + 1
             done |= newly
             if done.all() or step == budget - 1:
@@ -123,9 +135,11 @@ class FanoutDecoder:
             mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)
             logits, past = self._step(token[:, None], mask, next_pos, past)
             next_pos = next_pos + 1
-        return [self._finish(tokens[i, : lengths[i]], eos) for i in range(len(prompts))]
+        return [self._finish(tokens[i, : lengths[i]], eos, stop) for i in range(len(prompts))]
 
-    def _finish(self, row: np.ndarray, eos: int) -> Generation:
+    def _finish(self, row: np.ndarray, eos: int, stop: int) -> Generation:
         body = row[:-1] if len(row) and row[-1] == eos else row
         text = self.tokenizer.decode(body.tolist(), skip_special_tokens=True)
+        if stop > 0:
+            text = "\n".join(text.split("\n")[:stop])  # cut at the stop-th line break
         return Generation(text=text, n_tokens=len(row))

@@ -55,6 +55,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from service.bundle import load_bundle
     from service.encoder import Encoder
     from training.evaluation import METHODS, evaluate, results_table, write_report
+    from training.methods import BASELINES
 
     if args.steps_curve:
         from training.diffusion_methods import run_steps_curve
@@ -66,7 +67,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     names = sorted(METHODS) if args.method == "all" else args.method.split(",")
     for name in names:
         options: dict = {"lam": args.mmr_lambda} if name == "mmr" else {}
-        if name not in ("single", "mmr"):
+        if name not in BASELINES:  # model methods run ONNX Runtime
             options["threads"] = args.threads
         report = evaluate(bundle, name, args.split, args.k, args.limit, encoder, **options)
         print(f"wrote {write_report(args.bundle, report)}")

@@ -64,7 +64,7 @@ def test_greedy_parity_with_pytorch(exported: tuple[Path, Path]) -> None:
     checkpoint, folder = exported
     decoder = FanoutDecoder(folder, threads=1)
     budget = 20
-    onnx_texts = [g.text for g in decoder.generate(PROMPTS, max_new_tokens=budget)]  # batched
+    onnx_texts = [g.text for g in decoder.generate(PROMPTS, max_new_tokens=budget, max_lines=0)]
     reference = torch_greedy(checkpoint, PROMPTS, budget)
     assert onnx_texts == reference
     assert len(set("".join(reference))) > 3  # the fixture's model does not just repeat a token
@@ -109,3 +109,17 @@ def test_sample_categorical_greedy_and_distribution() -> None:
     assert (sample_categorical(logits, 0.0, np.random.default_rng(0)) == 0).all()
     draws = sample_categorical(logits, 1.0, np.random.default_rng(0))
     assert abs((draws == 0).mean() - 0.7) < 0.03 and abs((draws == 2).mean() - 0.1) < 0.02
+
+
+def test_decoding_stops_at_the_kth_line_break(exported: tuple[Path, Path]) -> None:
+    _, folder = exported
+    decoder = FanoutDecoder(folder, threads=1)
+    ids = np.array(decoder.tokenizer.encode("tent\nstove\nlamp", add_special_tokens=False).ids)
+    assert decoder._finish(ids, 2, 2).text == "tent\nstove"  # cut before the 2nd break
+    assert decoder._finish(ids, 2, 0).text == "tent\nstove\nlamp"
+    decoder.newlines[:] = 1  # every token a line break: rows stop after `stop` tokens
+    cut = decoder.generate(PROMPTS, temperature=1.0, max_new_tokens=40, seed=5, max_lines=3)
+    free = decoder.generate(PROMPTS, temperature=1.0, max_new_tokens=3, seed=5, max_lines=0)
+    assert [g.n_tokens for g in cut] == [g.n_tokens for g in free]
+    assert all(g.n_tokens <= 3 for g in cut)
+    assert [g.text for g in cut] == [g.text for g in free]
