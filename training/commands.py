@@ -54,7 +54,7 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
                         help="default euler")
     export.add_argument("--steps", type=int, default=None, help="solver steps (default 8)")
     export.add_argument("--cfg-weight", type=float, default=None,
-                        help="classifier-free guidance w in D = D_c + w·(D_c − D_u) (default 1)")
+                        help="classifier-free guidance w in D = D_c + w·(D_c − D_u) (default 2)")
     export.add_argument("--form", default=None, choices=("unrolled", "loop"),
                         help="whole-sampler graph form (default unrolled)")
     export.add_argument("--parity-batch", type=int, default=None,
