@@ -51,7 +51,7 @@ FINAL = "final"
 class WarmStartConfig:
     preset: str = "cpu"
     lm_steps: int = 400
-    sft_steps: int = 1000
+    sft_steps: int = 2000  # the copy skill appears late: SFT loss 2.2 → 1.0 over steps 700-1100
     batch_size: int = 32
     lm_seq_len: int = 64
     lr: float = 2e-3
@@ -60,7 +60,7 @@ class WarmStartConfig:
     ranked: bool = True  # sampled names keep their similarity order (else shuffled)
     encoder_init: bool = True  # token embeddings start at the retrieval encoder's vectors
     seed: int = 0
-    threads: int = 1  # on 2 shared cores 1 thread was 3-6x faster than 2
+    threads: int = 2  # with the context prompt, 2 threads run an SFT step 1.75x faster than 1
 
 
 WARMSTART_PRESETS: dict[str, WarmStartConfig] = {
