@@ -46,13 +46,14 @@ def config_hash(config: dict[str, Any]) -> str:
 
 
 def git_commit() -> str:
+    """HEAD's sha, with "-dirty" when the code that builds artifacts has uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True, text=True, check=True, timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return out.stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, timeout=5, cwd=root).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--", "service", "training"],
+                                capture_output=True, text=True, check=True, timeout=5, cwd=root)
+        return head + ("-dirty" if status.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

@@ -5,7 +5,9 @@ training/policy_export.py for its inputs and outputs), `tokenizer.json` and `fol
 Callers build the prompts (service.fanout.PromptBuilder). Prompts are left-padded; one prompt
 pass fills the cache, then one token per step for the whole batch until every row has produced
 <eos>, its k-th line break (a stop sequence, like vLLM's `stop`: a fan-out is exactly k lines,
-so an eleventh line is cut, not decoded) or the token budget.
+so an eleventh line is cut, not decoded) or the token budget. With a stop, the fan-out's grammar
+is also enforced on the logits (like vLLM's guided decoding): no <eos> before the k-th line and
+no empty line, so a row that would end early writes its missing lines instead.
 """
 
 from __future__ import annotations
@@ -62,8 +64,10 @@ class FanoutDecoder:
         self.providers: list[str] = self.session.get_providers()
         self.n_layers = int(self.config["n_layers"])
         vocab = self.tokenizer.get_vocab_size()
-        self.newlines = np.array([self.tokenizer.decode([i], skip_special_tokens=False).count("\n")
-                                  for i in range(vocab)], dtype=np.int64)  # (V,) per token
+        texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in range(vocab)]
+        self.newlines = np.array([t.count("\n") for t in texts], dtype=np.int64)  # (V,)
+        plain = [self.tokenizer.decode([i], skip_special_tokens=True) for i in range(vocab)]
+        self.opens_line = np.array([bool(t.rsplit("\n", 1)[-1].strip()) for t in plain])  # (V,)
 
     def _prompt_batch(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Left-padded prompt ids and mask, both (B, P) int64."""
@@ -103,17 +107,21 @@ class FanoutDecoder:
         max_new_tokens: int | None = None,
         seed: int | None = None,
         max_lines: int | None = None,
+        enforce_lines: bool = True,
     ) -> list[Generation]:
         """Decode one completion per prompt (greedy at temperature 0).
 
         A row stops at <eos> or at its `max_lines`-th line break (default: the fan-out's k;
-        0 = no stop), and its text is cut before that break.
+        0 = no stop), and its text is cut before that break. `enforce_lines` (with a stop) masks
+        <eos> before the last line and line breaks on an empty line (`line_grammar`).
         """
         if not prompts:
             return []
         budget = int(max_new_tokens or self.config["max_new_tokens"])
         stop = int(self.config.get("k", 0) if max_lines is None else max_lines)
         lines = np.zeros(len(prompts), dtype=np.int64)  # (B,) line breaks so far
+        open_line = np.zeros(len(prompts), dtype=bool)  # (B,) current line has text
+        grammar = enforce_lines and stop > 0
         eos, rng = int(self.config["eos_id"]), np.random.default_rng(seed)
         ids, mask = self._prompt_batch(prompts)
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)  # (B, P)
@@ -123,10 +131,15 @@ class FanoutDecoder:
         done = np.zeros(len(prompts), dtype=bool)
         lengths = np.full(len(prompts), budget, dtype=np.int64)
         for step in range(budget):
+            if grammar:
+                logits = self.line_grammar(logits, lines, open_line, stop, eos)
             token = sample_categorical(logits, temperature, rng)  # (B,)
             token = np.where(done, eos, token)
             tokens[:, step] = token
-            lines += np.where(done, 0, self.newlines[np.minimum(token, len(self.newlines) - 1)])
+            known = np.minimum(token, len(self.newlines) - 1)  # (B,) ids past the vocab clamp
+            lines += np.where(done, 0, self.newlines[known])
+            open_line = np.where(self.newlines[known] > 0, self.opens_line[known],
+                                 open_line | self.opens_line[known])
             newly = ((token == eos) | ((lines >= stop) & (stop > 0))) & ~done
             lengths[newly] = step + 1
             done |= newly
@@ -136,6 +149,19 @@ class FanoutDecoder:
             logits, past = self._step(token[:, None], mask, next_pos, past)
             next_pos = next_pos + 1
         return [self._finish(tokens[i, : lengths[i]], eos, stop) for i in range(len(prompts))]
+
+    def line_grammar(self, logits: np.ndarray, lines: np.ndarray, open_line: np.ndarray,
+                     stop: int, eos: int) -> np.ndarray:
+        """Logits (B, V) with the fan-out grammar's forbidden tokens at −inf.
+
+        <eos> is allowed only on the last line once it has text; a line break only after text.
+        """
+        vocab = min(logits.shape[1], len(self.newlines))
+        masked = logits.astype(np.float32, copy=True)  # (B, V)
+        breaks = np.flatnonzero(self.newlines[:vocab] > 0)  # (N,)
+        masked[np.ix_(~open_line, breaks)] = -np.inf
+        masked[(lines < stop - 1) | ~open_line, eos] = -np.inf
+        return masked
 
     def _finish(self, row: np.ndarray, eos: int, stop: int) -> Generation:
         body = row[:-1] if len(row) and row[-1] == eos else row

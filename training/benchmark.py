@@ -117,6 +117,17 @@ def query_texts(bundle_dir: Path, split: str = "train") -> list[str]:
     return [json.loads(line)["query"] for line in path.read_text().splitlines() if line]
 
 
+def training_queries(bundle_dir: Path, names: list[str], n_extra: int, seed: int) -> list[str]:
+    """Train-split query texts plus `n_extra` catalog names that are no val/test query."""
+    train = query_texts(bundle_dir, "train")
+    held_out = {t.lower() for split in ("val", "test") for t in query_texts(bundle_dir, split)}
+    seen = held_out | {t.lower() for t in train}
+    candidates = sorted({n for n in names if n and n.lower() not in seen})
+    rng = np.random.default_rng(seed)
+    picked = rng.choice(len(candidates), size=min(n_extra, len(candidates)), replace=False)
+    return [*train, *[candidates[i] for i in sorted(picked)]]
+
+
 def _from_record(record: dict) -> BenchmarkQuery:
     groups = record.get("groups", [])
     return BenchmarkQuery(query=record["query"], groups=groups, id=record.get("id"))

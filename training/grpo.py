@@ -49,6 +49,7 @@ class GrpoConfig:
     beta: float = 0.04  # KL weight against the warm start
     temperature: float = 1.0
     warmup_steps: int = 10
+    grammar: bool = True  # sample under the k-line grammar, as the served decoder does
     save_steps: int = 50
     seed: int = 0
     threads: int = 1
@@ -166,6 +167,7 @@ def train_grpo(
     from trl import GRPOTrainer
 
     from training.benchmark import query_texts
+    from training.grammar import constrain_generation
     from training.policy import load_policy, policy_meta, save_policy
 
     started = time.perf_counter()
@@ -190,6 +192,8 @@ def train_grpo(
     trainer = GRPOTrainer(model=str(init), reward_funcs=funcs, args=args, train_dataset=data,
                           processing_class=tokenizer)
     del model
+    if config.grammar:
+        constrain_generation(trainer.model, tokenizer, scorer.k)
     trainer.train(resume_from_checkpoint=get_last_checkpoint(str(run_dir)))
     wall = time.perf_counter() - started
     history = trainer.state.log_history
@@ -254,14 +258,19 @@ def _smooth(values: list, window: int = 10) -> list[float]:
 
 def policy_fanouts(
     checkpoint: Path, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-    seed: int = 0,
+    seed: int = 0, k: int = 10,
 ) -> list[str]:
-    """One completion per prompt from a HF checkpoint (sampled; greedy at temperature 0)."""
+    """One completion per prompt from a HF checkpoint (sampled; greedy at temperature 0).
+
+    Under the k-line grammar, as served (k=0: unconstrained)."""
     import torch
 
+    from training.grammar import constrain_generation
     from training.policy import load_policy
 
     model, tokenizer = load_policy(checkpoint)
+    if k:
+        constrain_generation(model, tokenizer, k)
     torch.manual_seed(seed)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} \
         if temperature > 0 else {"do_sample": False}

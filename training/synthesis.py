@@ -5,8 +5,12 @@ each sample's k sub-queries are embedded and resolved to their top-1 catalog ite
 embeddings form the target block. The targets are the policy's whole output distribution: no
 reward filter by default (paper Fig. 1, §2.4). `--keep-top-frac F` keeps only each query's
 best F of samples by reward — the "filter successful trajectories" reading, for comparison.
-A sample with fewer than k non-empty lines cannot give k targets and is dropped (counted in
-the ledger); duplicate lines are kept and resolve to the same item, as the policy wrote them.
+The local and torch backends sample under the fan-out grammar (exactly k non-empty lines, as
+served); a sample with fewer than k non-empty lines (the http backend's, unconstrained) cannot
+give k targets and is dropped (counted in the ledger); duplicate lines are kept and resolve to
+the same item, as the policy wrote them. `--extra-queries N` adds N catalog names that are no
+val/test query (the warm start's pick) as queries, `--extra-samples` samples each: the student
+sees more distinct conditions than the 738 train queries.
 
 Backends: `local` (in this process, the default: the policy exported to ONNX and decoded
 by `service.decoding.FanoutDecoder` — what the service runs, 2–5× faster than HF `generate`
@@ -32,7 +36,7 @@ from tqdm import tqdm
 
 from service.bundle import git_commit, load_bundle
 from service.encoder import Encoder
-from service.fanout import PromptBuilder, parse_fanout
+from service.fanout import PromptBuilder, item_name, parse_fanout
 from service.index import search
 from service.reward import reward_terms
 
@@ -43,6 +47,10 @@ SHARDS = "shards"
 @dataclass(frozen=True)
 class SynthesisConfig:
     samples_per_query: int = 128
+    # Catalog names (the warm start's 4,000, no val/test query) as extra queries, 16 samples
+    # each: 5.4× the student's distinct conditions, for ~10 more minutes of sampling (measured).
+    extra_queries: int = 4000
+    extra_samples: int = 16
     temperature: float = 0.9
     max_new_tokens: int | None = None  # None: the policy's own budget
     shard_queries: int = 16
@@ -92,11 +100,13 @@ class OnnxSampler:
 class TorchSampler:
     """HF `generate` on an in-process checkpoint; returns (texts, tokens generated)."""
 
-    def __init__(self, checkpoint: Path) -> None:
+    def __init__(self, checkpoint: Path, k: int) -> None:
+        from training.grammar import constrain_generation
         from training.policy import load_policy
 
         self.model, self.tokenizer = load_policy(checkpoint)
         self.model.eval()
+        constrain_generation(self.model, self.tokenizer, k)  # the served decoder's grammar
 
     def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
                seed: int) -> tuple[list[str], int]:
@@ -207,7 +217,7 @@ def synthesize_shard(
     lines, tokens, samples, dropped = [], 0, 0, 0
     searches_before = ctx["cache"].searches
     for qi in queries:
-        texts, n_tok = ctx["sampler"].sample(ctx["prompts"][qi], config.samples_per_query,
+        texts, n_tok = ctx["sampler"].sample(ctx["prompts"][qi], ctx["samples"][qi],
                                              config.temperature, ctx["max_new_tokens"],
                                              config.seed * 1_000_003 + qi)
         tokens, samples = tokens + n_tok, samples + len(texts)
@@ -254,7 +264,7 @@ def make_sampler(config: SynthesisConfig, checkpoint: Path, run_dir: Path) -> Sa
             export_folder(checkpoint, folder)
         return OnnxSampler(folder, config.threads)
     if config.backend == "torch":
-        return TorchSampler(checkpoint)
+        return TorchSampler(checkpoint, config.k)
     if config.backend == "http":
         if not config.endpoint:
             raise ValueError("the http backend needs --endpoint (e.g. http://127.0.0.1:8000)")
@@ -267,7 +277,7 @@ def synthesize(
     queries: list[str] | None = None,
 ) -> Path:
     """Run (or resume) stage 2 into `run_dir`; returns it."""
-    from training.benchmark import query_texts
+    from training.benchmark import query_texts, training_queries
     from training.policy import policy_meta
 
     started = time.perf_counter()
@@ -277,14 +287,19 @@ def synthesize(
         torch.set_num_threads(config.threads)
     run_dir = run_dir or bundle_dir / "runs" / SYNTHESIS_RUN
     (run_dir / SHARDS).mkdir(parents=True, exist_ok=True)
-    queries = queries if queries is not None else query_texts(bundle_dir, "train")
+    bundle = load_bundle(bundle_dir)
+    if queries is None:
+        names = [item_name(t) for t in bundle.items.texts]
+        queries = training_queries(bundle_dir, names, config.extra_queries, config.seed)
+    n_train = len(query_texts(bundle_dir, "train"))
+    samples = [config.samples_per_query if i < n_train else config.extra_samples
+               for i in range(len(queries))]  # extra queries come after the train split's
     policy = policy_meta(checkpoint).get("policy", {})
     context = int(policy.get("context", 0))  # catalog names in each prompt, as trained
     record = {"stage": "synthesis", "config": asdict(config), "checkpoint": str(checkpoint),
               "n_queries": len(queries), "context": context, "seed": config.seed,
               "git_commit": git_commit()}
     _check_resume(run_dir, record)
-    bundle = load_bundle(bundle_dir)
     encoder = Encoder(bundle.encoder_config)
     query_emb = encoder.encode(queries)  # (Q, d)
     np.save(run_dir / "query_emb.npy", query_emb)
@@ -293,15 +308,16 @@ def synthesize(
     prompts = PromptBuilder(bundle.index, bundle.items.texts, context).prompts(queries, query_emb)
     ctx = {"sampler": make_sampler(config, checkpoint, run_dir),
            "cache": ResolutionCache(bundle, encoder), "queries": queries, "prompts": prompts,
-           "query_emb": query_emb, "max_new_tokens": budget, "dim": encoder.dim}
+           "query_emb": query_emb, "max_new_tokens": budget, "dim": encoder.dim,
+           "samples": samples}
     ledger = _load_ledger(run_dir)
     shards = [list(range(s, min(s + config.shard_queries, len(queries))))
               for s in range(0, len(queries), config.shard_queries)]
-    bar = tqdm(total=len(queries) * config.samples_per_query, desc="synthesis", unit="sample")
+    bar = tqdm(total=sum(samples), desc="synthesis", unit="sample")
     for number, shard in enumerate(shards):
         path = run_dir / SHARDS / f"shard-{number:05d}.npz"
         if path.is_file():
-            bar.update(len(shard) * config.samples_per_query)
+            bar.update(sum(samples[q] for q in shard))
             continue
         began = time.perf_counter()
         entry = synthesize_shard(ctx, config, number, shard, path)
@@ -370,6 +386,7 @@ def load_dataset(run_dir: Path, with_text: bool = False) -> SynthesisDataset:
 def cmd_synthesize(args: argparse.Namespace) -> None:
     config = replace(
         SynthesisConfig(), samples_per_query=args.samples, temperature=args.temperature,
+        extra_queries=args.extra_queries, extra_samples=args.extra_samples,
         backend=args.backend, endpoint=args.endpoint, model=args.model,
         keep_top_frac=args.keep_top_frac, threads=args.threads, seed=args.seed,
     )
@@ -388,6 +405,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     """`r4t synthesize [--samples 128] [--temperature 0.9] [--backend local|http]`."""
     syn = sub.add_parser("synthesize", help="stage 2: sample the frozen policy into a dataset")
     syn.add_argument("--samples", type=int, default=128, help="samples per training query")
+    syn.add_argument("--extra-queries", type=int, default=SynthesisConfig.extra_queries,
+                     help="also sample this many catalog names (no val/test query) as queries")
+    syn.add_argument("--extra-samples", type=int, default=SynthesisConfig.extra_samples,
+                     help="samples per extra query")
     syn.add_argument("--temperature", type=float, default=0.9)
     syn.add_argument("--backend", default="local", choices=("local", "torch", "http"))
     syn.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL (http)")

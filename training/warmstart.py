@@ -29,7 +29,7 @@ from service.bundle import git_commit, load_bundle
 from service.encoder import Encoder
 from service.fanout import build_prompt, context_names, format_fanout, item_name
 from service.index import search
-from training.benchmark import query_texts
+from training.benchmark import query_texts, training_queries
 from training.policy import (
     EOS,
     POLICY_PRESETS,
@@ -70,17 +70,6 @@ WARMSTART_PRESETS: dict[str, WarmStartConfig] = {
     ),
     "cpu": WarmStartConfig(),
 }
-
-
-def training_queries(bundle_dir: Path, names: list[str], n_extra: int, seed: int) -> list[str]:
-    """Train-split query texts plus `n_extra` catalog names that are no val/test query."""
-    train = query_texts(bundle_dir, "train")
-    held_out = {t.lower() for split in ("val", "test") for t in query_texts(bundle_dir, split)}
-    seen = held_out | {t.lower() for t in train}
-    candidates = sorted({n for n in names if n and n.lower() not in seen})
-    rng = np.random.default_rng(seed)
-    picked = rng.choice(len(candidates), size=min(n_extra, len(candidates)), replace=False)
-    return [*train, *[candidates[i] for i in sorted(picked)]]
 
 
 def neighbour_names(

@@ -118,8 +118,49 @@ def test_decoding_stops_at_the_kth_line_break(exported: tuple[Path, Path]) -> No
     assert decoder._finish(ids, 2, 2).text == "tent\nstove"  # cut before the 2nd break
     assert decoder._finish(ids, 2, 0).text == "tent\nstove\nlamp"
     decoder.newlines[:] = 1  # every token a line break: rows stop after `stop` tokens
-    cut = decoder.generate(PROMPTS, temperature=1.0, max_new_tokens=40, seed=5, max_lines=3)
+    cut = decoder.generate(PROMPTS, temperature=1.0, max_new_tokens=40, seed=5, max_lines=3,
+                           enforce_lines=False)
     free = decoder.generate(PROMPTS, temperature=1.0, max_new_tokens=3, seed=5, max_lines=0)
     assert [g.n_tokens for g in cut] == [g.n_tokens for g in free]
     assert all(g.n_tokens <= 3 for g in cut)
     assert [g.text for g in cut] == [g.text for g in free]
+
+
+class BreakHappyDecoder(FanoutDecoder):
+    """Line breaks and <eos> boosted: unconstrained, rows end early and write empty lines."""
+
+    def _step(self, *args: np.ndarray | dict) -> tuple[np.ndarray, dict]:
+        logits, past = super()._step(*args)  # (B, V)
+        logits = logits.copy()
+        logits[:, self.newlines[: logits.shape[1]] > 0] += 6.0
+        logits[:, int(self.config["eos_id"])] += 4.0
+        return logits, past
+
+
+def test_line_grammar_gives_exactly_k_non_empty_lines(exported: tuple[Path, Path]) -> None:
+    _, folder = exported
+    decoder = BreakHappyDecoder(folder, threads=1)
+    prompts = PROMPTS * 8
+    kwargs = {"temperature": 1.0, "max_new_tokens": 120, "seed": 1, "max_lines": 4}
+    free = decoder.generate(prompts, enforce_lines=False, **kwargs)
+    held = decoder.generate(prompts, **kwargs)
+
+    def broken(text: str) -> bool:
+        lines = text.split("\n")
+        return len(lines) != 4 or not all(line.strip() for line in lines)
+
+    assert sum(broken(g.text) for g in free) > len(prompts) // 4  # the bias does bite
+    finished = [g for g in held if g.n_tokens < 120]
+    assert len(finished) > len(prompts) // 2
+    assert not [g.text for g in finished if broken(g.text)]
+
+
+def test_line_grammar_masks() -> None:
+    decoder = FanoutDecoder.__new__(FanoutDecoder)
+    decoder.newlines = np.array([0, 0, 0, 1, 0])  # token 3 is a line break, 2 is <eos>
+    logits = np.zeros((3, 5), dtype=np.float32)
+    lines, open_line = np.array([0, 2, 2]), np.array([False, True, False])
+    masked = decoder.line_grammar(logits, lines, open_line, stop=3, eos=2)
+    assert np.isinf(masked[0, [2, 3]]).all() and np.isfinite(masked[0, [0, 1, 4]]).all()
+    assert np.isfinite(masked[1]).all()  # last line with text: <eos> or a break both end it
+    assert np.isinf(masked[2, [2, 3]]).all()  # last line still empty

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from service.fanout import build_prompt
-from training.benchmark import query_texts
+from training.benchmark import query_texts, training_queries
 from training.pipeline import CatalogConfig, build_catalog
 from training.policy import (
     BOS,
@@ -27,7 +27,6 @@ from training.warmstart import (
     WARMSTART_PRESETS,
     sample_target,
     target_pool,
-    training_queries,
     warm_start,
 )
 

@@ -20,7 +20,8 @@ from tests.training.test_policy import THEMES, make_tiny_bundle, make_tiny_polic
 from training.benchmark import query_texts
 from training.synthesis import SynthesisConfig, load_dataset, synthesize, top_fraction
 
-TINY = SynthesisConfig(samples_per_query=6, shard_queries=3, max_new_tokens=12, threads=1)
+TINY = SynthesisConfig(samples_per_query=6, shard_queries=3, max_new_tokens=12, threads=1,
+                       extra_queries=0)
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +128,20 @@ def test_keep_top_fraction_keeps_the_best() -> None:
     reward = np.array([0.1, 0.9, 0.5, 0.7])
     assert top_fraction(reward, None).tolist() == [0, 1, 2, 3]
     assert top_fraction(reward, 0.5).tolist() == [1, 3]
+
+
+def test_extra_catalog_queries_get_their_own_sample_count(
+    setup: tuple[Path, Path], tmp_path: Path, server: str
+) -> None:
+    bundle, policy = setup
+    StandIn.requests.clear()
+    config = replace(TINY, backend="http", endpoint=server, extra_queries=3, extra_samples=2)
+    synthesize(bundle, config, policy, tmp_path / "extra")
+    train = query_texts(bundle, "train")
+    held_out = {q.lower() for split in ("val", "test") for q in query_texts(bundle, split)}
+    data = load_dataset(tmp_path / "extra")
+    assert data.queries[: len(train)] == train and len(data.queries) == len(train) + 3
+    extra = data.queries[len(train):]
+    assert not {q.lower() for q in extra} & (held_out | {q.lower() for q in train})
+    assert [r["n"] for r in StandIn.requests] == [6] * len(train) + [2] * 3
+    assert set(data.query_index.tolist()) == set(range(len(train) + 3))
