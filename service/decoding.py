@@ -13,6 +13,7 @@ no empty line, so a row that would end early writes its missing lines instead.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,33 @@ def sample_categorical(
     return np.minimum(picks, logits.shape[-1] - 1)
 
 
+def line_tables(decode: Callable[..., str], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per token id: the line breaks it writes (V,) and whether its line then has text (V,).
+
+    `decode` is a tokenizer's `decode(ids, skip_special_tokens=...)` (tokenizers or HF).
+    """
+    texts = [decode([i], skip_special_tokens=False) for i in range(vocab)]
+    plain = [decode([i], skip_special_tokens=True) for i in range(vocab)]
+    newlines = np.array([t.count("\n") for t in texts], dtype=np.int64)  # (V,)
+    opens_line = np.array([bool(t.rsplit("\n", 1)[-1].strip()) for t in plain])  # (V,)
+    return newlines, opens_line
+
+
+def line_grammar(logits: np.ndarray, newlines: np.ndarray, lines: np.ndarray,
+                 open_line: np.ndarray, stop: int, eos: int) -> np.ndarray:
+    """Logits (B, V) with the fan-out grammar's forbidden tokens at −inf (a copy).
+
+    <eos> is allowed only on the last of `stop` lines once it has text; a line break only after
+    text. `lines` (B,) counts each row's line breaks, `open_line` (B,) says its line has text.
+    """
+    vocab = min(logits.shape[1], len(newlines))
+    masked = logits.astype(np.float32, copy=True)  # (B, V)
+    breaks = np.flatnonzero(newlines[:vocab] > 0)  # (N,)
+    masked[np.ix_(~open_line, breaks)] = -np.inf
+    masked[(lines < stop - 1) | ~open_line, eos] = -np.inf
+    return masked
+
+
 class FanoutDecoder:
     """ONNX Runtime decoder of a fan-out LM; no torch."""
 
@@ -64,10 +92,7 @@ class FanoutDecoder:
         self.providers: list[str] = self.session.get_providers()
         self.n_layers = int(self.config["n_layers"])
         vocab = self.tokenizer.get_vocab_size()
-        texts = [self.tokenizer.decode([i], skip_special_tokens=False) for i in range(vocab)]
-        self.newlines = np.array([t.count("\n") for t in texts], dtype=np.int64)  # (V,)
-        plain = [self.tokenizer.decode([i], skip_special_tokens=True) for i in range(vocab)]
-        self.opens_line = np.array([bool(t.rsplit("\n", 1)[-1].strip()) for t in plain])  # (V,)
+        self.newlines, self.opens_line = line_tables(self.tokenizer.decode, vocab)  # (V,), (V,)
 
     def _prompt_batch(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Left-padded prompt ids and mask, both (B, P) int64."""
@@ -132,7 +157,7 @@ class FanoutDecoder:
         lengths = np.full(len(prompts), budget, dtype=np.int64)
         for step in range(budget):
             if grammar:
-                logits = self.line_grammar(logits, lines, open_line, stop, eos)
+                logits = line_grammar(logits, self.newlines, lines, open_line, stop, eos)
             token = sample_categorical(logits, temperature, rng)  # (B,)
             token = np.where(done, eos, token)
             tokens[:, step] = token
@@ -149,19 +174,6 @@ class FanoutDecoder:
             logits, past = self._step(token[:, None], mask, next_pos, past)
             next_pos = next_pos + 1
         return [self._finish(tokens[i, : lengths[i]], eos, stop) for i in range(len(prompts))]
-
-    def line_grammar(self, logits: np.ndarray, lines: np.ndarray, open_line: np.ndarray,
-                     stop: int, eos: int) -> np.ndarray:
-        """Logits (B, V) with the fan-out grammar's forbidden tokens at −inf.
-
-        <eos> is allowed only on the last line once it has text; a line break only after text.
-        """
-        vocab = min(logits.shape[1], len(self.newlines))
-        masked = logits.astype(np.float32, copy=True)  # (B, V)
-        breaks = np.flatnonzero(self.newlines[:vocab] > 0)  # (N,)
-        masked[np.ix_(~open_line, breaks)] = -np.inf
-        masked[(lines < stop - 1) | ~open_line, eos] = -np.inf
-        return masked
 
     def _finish(self, row: np.ndarray, eos: int, stop: int) -> Generation:
         body = row[:-1] if len(row) and row[-1] == eos else row

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from service.decoding import FanoutDecoder, sample_categorical
+from service.decoding import FanoutDecoder, line_grammar, sample_categorical
 from service.fanout import build_prompt
 from training.policy import (
     POLICY_PRESETS,
@@ -156,11 +156,10 @@ def test_line_grammar_gives_exactly_k_non_empty_lines(exported: tuple[Path, Path
 
 
 def test_line_grammar_masks() -> None:
-    decoder = FanoutDecoder.__new__(FanoutDecoder)
-    decoder.newlines = np.array([0, 0, 0, 1, 0])  # token 3 is a line break, 2 is <eos>
+    newlines = np.array([0, 0, 0, 1, 0])  # token 3 is a line break, 2 is <eos>
     logits = np.zeros((3, 5), dtype=np.float32)
     lines, open_line = np.array([0, 2, 2]), np.array([False, True, False])
-    masked = decoder.line_grammar(logits, lines, open_line, stop=3, eos=2)
+    masked = line_grammar(logits, newlines, lines, open_line, stop=3, eos=2)
     assert np.isinf(masked[0, [2, 3]]).all() and np.isfinite(masked[0, [0, 1, 4]]).all()
     assert np.isfinite(masked[1]).all()  # last line with text: <eos> or a break both end it
     assert np.isinf(masked[2, [2, 3]]).all()  # last line still empty

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -61,8 +62,8 @@ def test_constrained_generate_writes_exactly_k_lines(policy: Path) -> None:
 
 
 def test_line_grammar_masks_by_state() -> None:
-    newlines = torch.tensor([0, 0, 0, 1, 0])  # token 3 is a line break, 2 is <eos>
-    opens = torch.tensor([False, False, False, False, True])  # token 4 is text
+    newlines = np.array([0, 0, 0, 1, 0])  # token 3 is a line break, 2 is <eos>
+    opens = np.array([False, False, False, False, True])  # token 4 is text
     grammar = LineGrammar(newlines, opens, eos=2, k=2, prompt_len=1)
     ids = torch.tensor([[0, 0, 0, 0], [0, 4, 0, 0], [0, 4, 3, 4], [0, 4, 3, 4]])
     ids[3, 3] = 3  # two breaks: done
