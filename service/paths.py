@@ -144,17 +144,18 @@ class OnnxFanoutBackend:
     name = "onnx"
 
     def __init__(
-        self, decoder: Any, temperature: float | None, max_new_tokens: int, seed: int | None
+        self, decoder: Any, temperature: float | None, max_new_tokens: int, seed: int | None,
+        grammar: bool = True,
     ) -> None:
         if temperature is None:
             temperature = float(decoder.config.get("temperature", 0.0))
         self.decoder, self.temperature = decoder, temperature
-        self.max_new_tokens, self.seed = max_new_tokens, seed
+        self.max_new_tokens, self.seed, self.grammar = max_new_tokens, seed, grammar
 
     def generate(self, prompts: list[str]) -> list[str]:
         generations = self.decoder.generate(
             prompts, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-            seed=self.seed,
+            seed=self.seed, enforce_lines=self.grammar,
         )
         return [g.text for g in generations]
 
@@ -162,7 +163,7 @@ class OnnxFanoutBackend:
         return {
             "backend": self.name, "providers": list(self.decoder.providers),
             "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
-            "config": self.decoder.config,
+            "grammar": self.grammar, "config": self.decoder.config,
         }
 
     def close(self) -> None:

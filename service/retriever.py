@@ -79,7 +79,8 @@ def _ar_backend(
     if choice == "onnx" or (choice == "auto" and bundle.has(DECODER_FILE)):
         decoder = loaders.decoder(bundle.path / "folm", settings.provider_list, settings.threads)
         backend = OnnxFanoutBackend(
-            decoder, settings.ar_temperature, settings.ar_max_new_tokens, settings.seed
+            decoder, settings.ar_temperature, settings.ar_max_new_tokens, settings.seed,
+            grammar=settings.ar_grammar,
         )
         context = settings.ar_context
         if context is None:

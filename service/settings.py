@@ -105,6 +105,11 @@ class Settings(BaseSettings):
         "line under greedy decoding).",
     )
     ar_max_new_tokens: int = Field(160, ge=1, description="Token budget of one fan-out.")
+    ar_grammar: bool = Field(
+        True, description="Decode under the fan-out grammar (exactly k non-empty lines, as the "
+        "bundle's models were trained and evaluated); false lets a fan-out end early and leaves "
+        "its missing slots to the dense fill.",
+    )
     ar_context: int | None = Field(
         None, ge=0, le=32, description="Nearest catalog names put in the fan-out prompt; None = "
         "what the bundle's fan-out model was trained with (folm.json 'context'; 0 for an "

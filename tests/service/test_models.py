@@ -82,6 +82,27 @@ def test_info_reports_the_real_runtimes(model_server):
     with model_server.client() as client:
         served = client.get("/v1/info").json()["served"]
     assert served["paths"]["ar"]["backend"] == "onnx"
+    assert served["paths"]["ar"]["grammar"] is True  # R4T_AR_GRAMMAR, on by default
     assert "CPUExecutionProvider" in served["providers"]["ar"]
     assert "CPUExecutionProvider" in served["providers"]["diffusion"]
     assert served["paths"]["diffusion"]["config"]["solver"] == "heun"
+
+
+def test_onnx_backend_decodes_under_the_grammar_setting(model_bundle: Path) -> None:
+    from service.decoding import FanoutDecoder
+    from service.paths import OnnxFanoutBackend
+
+    class BreakHappy(FanoutDecoder):  # line breaks and <eos> boosted: short fan-outs unless held
+        def _step(self, *args):
+            logits, past = super()._step(*args)
+            logits = logits.copy()
+            logits[:, self.newlines[: logits.shape[1]] > 0] += 6.0
+            logits[:, int(self.config["eos_id"])] += 4.0
+            return logits, past
+
+    decoder = BreakHappy(model_bundle / "folm", threads=1)
+    prompts = ["query: boat\nfan-out:\n"] * 16
+    held = OnnxFanoutBackend(decoder, 1.0, 120, 0).generate(prompts)
+    free = OnnxFanoutBackend(decoder, 1.0, 120, 0, grammar=False).generate(prompts)
+    lines = [[len(t.split("\n")) for t in texts] for texts in (held, free)]
+    assert min(lines[1]) < 10 <= min(lines[0])
