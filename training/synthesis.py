@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from service.bundle import git_commit, load_bundle
 from service.encoder import Encoder
+from service.errors import InputError
 from service.fanout import PromptBuilder, item_name, parse_fanout
 from service.index import search
 from service.reward import reward_terms
@@ -61,6 +62,17 @@ class SynthesisConfig:
     k: int = 10
     seed: int = 0
     threads: int = 1  # ONNX Runtime / torch intra-op threads
+
+    def __post_init__(self) -> None:
+        counts = {"samples per query": self.samples_per_query, "k": self.k,
+                  "extra samples": self.extra_samples, "queries per shard": self.shard_queries}
+        bad = [f"{name} must be ≥ 1 (got {value})" for name, value in counts.items() if value < 1]
+        if self.extra_queries < 0:
+            bad.append(f"extra queries must be ≥ 0 (got {self.extra_queries})")
+        if self.temperature < 0:
+            bad.append(f"temperature must be ≥ 0 (got {self.temperature})")
+        if bad:
+            raise InputError("synthesis: " + "; ".join(bad))
 
 
 @dataclass

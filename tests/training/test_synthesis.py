@@ -145,3 +145,13 @@ def test_extra_catalog_queries_get_their_own_sample_count(
     assert not {q.lower() for q in extra} & (held_out | {q.lower() for q in train})
     assert [r["n"] for r in StandIn.requests] == [6] * len(train) + [2] * 3
     assert set(data.query_index.tolist()) == set(range(len(train) + 3))
+
+
+@pytest.mark.parametrize("flags", [["--extra-queries", "-1"], ["--extra-samples", "0"],
+                                   ["--samples", "0"], ["--temperature", "-0.5"]])
+def test_bad_synthesis_flags_are_a_clear_error(flags: list[str], capsys: pytest.CaptureFixture,
+                                               tmp_path: Path) -> None:
+    from training.cli import main
+
+    assert main(["--bundle", str(tmp_path), "synthesize", *flags]) == 2
+    assert "r4t: error: synthesis:" in capsys.readouterr().err
