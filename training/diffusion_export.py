@@ -42,8 +42,8 @@ class ExportConfig:
     """Default: Euler, 8 steps, w = 2 (281 MFLOP per query for the `cpu` preset). On a
     proxy-trained `cpu` model Euler 8 matched 256-step Euler (coverage@10 0.073 vs 0.062,
     recall@5k 0.372 vs 0.377) and beat Heun 8 without guidance (0.036, 0.321) at similar FLOPs.
-    w chosen on the val split of the default bundle (recall@5k / coverage@10 at w = 0, 1, 2, 3:
-    0.180/0.023, 0.227/0.017, 0.253/0.020, 0.276/0.016): guidance buys recall with diversity."""
+    w chosen on the val split of the default bundle (recall@5k / coverage@10 at w = 1, 2, 3:
+    0.381/0.053, 0.393/0.072, 0.390/0.071): guidance buys recall with diversity."""
 
     solver: str = "euler"
     steps: int = 8

@@ -89,18 +89,10 @@ def test_info_reports_the_real_runtimes(model_server):
 
 
 def test_onnx_backend_decodes_under_the_grammar_setting(model_bundle: Path) -> None:
-    from service.decoding import FanoutDecoder
     from service.paths import OnnxFanoutBackend
+    from tests.service.test_decoding import BreakHappyDecoder
 
-    class BreakHappy(FanoutDecoder):  # line breaks and <eos> boosted: short fan-outs unless held
-        def _step(self, *args):
-            logits, past = super()._step(*args)
-            logits = logits.copy()
-            logits[:, self.newlines[: logits.shape[1]] > 0] += 6.0
-            logits[:, int(self.config["eos_id"])] += 4.0
-            return logits, past
-
-    decoder = BreakHappy(model_bundle / "folm", threads=1)
+    decoder = BreakHappyDecoder(model_bundle / "folm", threads=1)  # short fan-outs unless held
     prompts = ["query: boat\nfan-out:\n"] * 16
     held = OnnxFanoutBackend(decoder, 1.0, 120, 0).generate(prompts)
     free = OnnxFanoutBackend(decoder, 1.0, 120, 0, grammar=False).generate(prompts)
