@@ -7,7 +7,9 @@ pass fills the cache, then one token per step for the whole batch until every ro
 <eos>, its k-th line break (a stop sequence, like vLLM's `stop`: a fan-out is exactly k lines,
 so an eleventh line is cut, not decoded) or the token budget. With a stop, the fan-out's grammar
 is also enforced on the logits (like vLLM's guided decoding): no <eos> before the k-th line and
-no empty line, so a row that would end early writes its missing lines instead.
+no empty line, so a row that would end early writes its missing lines instead. With a
+`NameConstraint` (service/trie.py) every line is moreover a catalog name, decoded through a
+prefix tree of the prompt's catalog names (or of the whole catalog).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tokenizers import Tokenizer
 
 from service.errors import BundleError
 from service.sessions import open_session
+from service.trie import NameConstraint, RowState, name_grammar
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -133,12 +136,14 @@ class FanoutDecoder:
         seed: int | None = None,
         max_lines: int | None = None,
         enforce_lines: bool = True,
+        names: NameConstraint | None = None,
     ) -> list[Generation]:
         """Decode one completion per prompt (greedy at temperature 0).
 
         A row stops at <eos> or at its `max_lines`-th line break (default: the fan-out's k;
         0 = no stop), and its text is cut before that break. `enforce_lines` (with a stop) masks
-        <eos> before the last line and line breaks on an empty line (`line_grammar`).
+        <eos> before the last line and line breaks on an empty line (`line_grammar`); `names`
+        (with a stop) further keeps every line a catalog name (`service.trie.name_grammar`).
         """
         if not prompts:
             return []
@@ -147,6 +152,8 @@ class FanoutDecoder:
         lines = np.zeros(len(prompts), dtype=np.int64)  # (B,) line breaks so far
         open_line = np.zeros(len(prompts), dtype=bool)  # (B,) current line has text
         grammar = enforce_lines and stop > 0
+        tries = names.tries(prompts) if names is not None and stop > 0 else None
+        states = [RowState() for _ in prompts] if tries is not None else None
         eos, rng = int(self.config["eos_id"]), np.random.default_rng(seed)
         ids, mask = self._prompt_batch(prompts)
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)  # (B, P)
@@ -156,10 +163,14 @@ class FanoutDecoder:
         done = np.zeros(len(prompts), dtype=bool)
         lengths = np.full(len(prompts), budget, dtype=np.int64)
         for step in range(budget):
-            if grammar:
+            if tries is not None and states is not None:
+                logits = name_grammar(logits, tries, states, lines, stop)
+            elif grammar:
                 logits = line_grammar(logits, self.newlines, lines, open_line, stop, eos)
             token = sample_categorical(logits, temperature, rng)  # (B,)
             token = np.where(done, eos, token)
+            for i in np.flatnonzero(~done) if tries is not None and states else ():
+                tries[i].advance(states[i], int(token[i]))
             tokens[:, step] = token
             known = np.minimum(token, len(self.newlines) - 1)  # (B,) ids past the vocab clamp
             lines += np.where(done, 0, self.newlines[known])

@@ -36,6 +36,15 @@ def build_prompt(query: str, context: Sequence[str] = ()) -> str:
     return PROMPT_TEMPLATE.format(query=" ".join(query.split()), context=names)
 
 
+def prompt_context(prompt: str) -> list[str]:
+    """The catalog names a prompt carries (its catalog line), in order; [] without one."""
+    head = CONTEXT_TEMPLATE.split("{", 1)[0]
+    for line in prompt.split("\n"):
+        if line.startswith(head):
+            return [n for n in line[len(head):].split(CONTEXT_SEPARATOR) if n.strip()]
+    return []
+
+
 def item_name(text: str) -> str:
     """An item's first lemma: the text before the first comma or colon."""
     head = text.split(":", 1)[0]

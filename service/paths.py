@@ -22,8 +22,11 @@ import numpy as np
 
 from service.bundle import Bundle
 from service.encoder import Encoder, normalize
+from service.errors import BundleError
 from service.fanout import PromptBuilder, parse_fanout
+from service.grounding import NameGrounding
 from service.selection import Selection, select_items
+from service.trie import DECODINGS, NAME_SCOPES, NameConstraint
 
 
 @dataclass(frozen=True)
@@ -139,23 +142,33 @@ class DiffusionPath:
 
 
 class OnnxFanoutBackend:
-    """The bundle's fan-out model decoded by service.decoding.FanoutDecoder."""
+    """The bundle's fan-out model decoded by service.decoding.FanoutDecoder.
+
+    `decoding` (service/trie.py DECODINGS): "free", "lines" (exactly k non-empty lines),
+    "context" (each line a name from the prompt's catalog line) or "catalog" (any item name,
+    from `catalog_names`); None = what the model was trained under (folm.json, else "lines").
+    """
 
     name = "onnx"
 
     def __init__(
         self, decoder: Any, temperature: float | None, max_new_tokens: int, seed: int | None,
-        grammar: bool = True,
+        decoding: str | None = None, catalog_names: Sequence[str] = (),
     ) -> None:
         if temperature is None:
             temperature = float(decoder.config.get("temperature", 0.0))
-        self.decoder, self.temperature = decoder, temperature
-        self.max_new_tokens, self.seed, self.grammar = max_new_tokens, seed, grammar
+        decoding = decoding or str(decoder.config.get("decoding", "lines"))
+        if decoding not in DECODINGS:
+            raise BundleError(f"unknown fan-out decoding {decoding!r}; use one of {DECODINGS}")
+        self.decoder, self.temperature, self.decoding = decoder, temperature, decoding
+        self.max_new_tokens, self.seed = max_new_tokens, seed
+        self.names = NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]), decoding,
+                                    catalog_names) if decoding in NAME_SCOPES else None
 
     def generate(self, prompts: list[str]) -> list[str]:
         generations = self.decoder.generate(
             prompts, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-            seed=self.seed, enforce_lines=self.grammar,
+            seed=self.seed, enforce_lines=self.decoding != "free", names=self.names,
         )
         return [g.text for g in generations]
 
@@ -163,7 +176,7 @@ class OnnxFanoutBackend:
         return {
             "backend": self.name, "providers": list(self.decoder.providers),
             "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
-            "grammar": self.grammar, "config": self.decoder.config,
+            "decoding": self.decoding, "config": self.decoder.config,
         }
 
     def close(self) -> None:
@@ -181,6 +194,7 @@ class AutoregressivePath:
     ) -> None:
         self.bundle, self.encoder, self.backend, self.fanout_k = bundle, encoder, backend, fanout_k
         self.prompt_builder = PromptBuilder(bundle.index, bundle.items.texts, context)
+        self.grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
 
     @property
     def providers(self) -> list[str]:
@@ -205,7 +219,8 @@ class AutoregressivePath:
         subs = [[s for s, ok in zip(p.subqueries, p.valid, strict=True) if ok] for p in parsed]
         flat = [s for group in subs for s in group]
         clock.lap("postprocess")
-        embedded = self.encoder.encode(flat)  # (ΣS, d)
+        owners = np.repeat(queries, [len(group) for group in subs], axis=0)  # (ΣS, d)
+        embedded, _ = self.grounding.probes(flat, owners, self.encoder.encode)  # (ΣS, d)
         clock.lap("encode")
         probes, start = [], 0
         for group in subs:

@@ -71,6 +71,13 @@ class Loaders:
     decoder: ComponentFactory = default_decoder
 
 
+def catalog_names(bundle: Bundle) -> list[str]:
+    """Every item's name: the tree of R4T_AR_DECODING=catalog."""
+    from service.fanout import item_name
+
+    return [item_name(t) for t in bundle.items.texts]
+
+
 def _ar_backend(
     settings: Settings, bundle: Bundle, loaders: Loaders
 ) -> tuple[FanoutBackend, int, int]:
@@ -78,13 +85,17 @@ def _ar_backend(
     choice = settings.ar_backend
     if choice == "onnx" or (choice == "auto" and bundle.has(DECODER_FILE)):
         decoder = loaders.decoder(bundle.path / "folm", settings.provider_list, settings.threads)
+        decoding = settings.ar_decoding or str(decoder.config.get("decoding", "lines"))
         backend = OnnxFanoutBackend(
             decoder, settings.ar_temperature, settings.ar_max_new_tokens, settings.seed,
-            grammar=settings.ar_grammar,
+            decoding=decoding, catalog_names=catalog_names(bundle) if decoding == "catalog" else (),
         )
         context = settings.ar_context
         if context is None:
             context = int(decoder.config.get("context", 0))
+        if backend.decoding == "context" and context == 0:
+            raise BundleError("R4T_AR_DECODING=context needs catalog names in the prompt "
+                              "(R4T_AR_CONTEXT > 0)")
         return backend, int(decoder.config.get("k", settings.fanout_k)), context
     if settings.openai_base_url:
         key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None

@@ -105,10 +105,11 @@ class Settings(BaseSettings):
         "line under greedy decoding).",
     )
     ar_max_new_tokens: int = Field(160, ge=1, description="Token budget of one fan-out.")
-    ar_grammar: bool = Field(
-        True, description="Decode under the fan-out grammar (exactly k non-empty lines, as the "
-        "bundle's models were trained and evaluated); false lets a fan-out end early and leaves "
-        "its missing slots to the dense fill.",
+    ar_decoding: Literal["free", "lines", "context", "catalog"] | None = Field(
+        None, description="How fan-out lines are decoded: 'lines' = exactly k non-empty lines, "
+        "'context' = each line one of the catalog names in the prompt, 'catalog' = each line any "
+        "item name, 'free' = unconstrained (a fan-out may end early; the dense fill completes "
+        "it). None = what the bundle's fan-out model was trained under (folm.json 'decoding').",
     )
     ar_context: int | None = Field(
         None, ge=0, le=32, description="Nearest catalog names put in the fan-out prompt; None = "

@@ -31,6 +31,9 @@ METRICS = (
     "alignment", "groundedness", "reward", "latency_ms_per_query",
 )
 BATCH = 64
+# per-query extras, averaged into the report's "diagnostics": the paper's literal Recall@5K
+# (the union of 500 per probe, fewer distinct items when probes overlap) and both pool sizes
+DIAGNOSTICS = ("distinct_subqueries", "recall@5k_union", "pool_size", "union_pool_size")
 
 # name -> factory(bundle, k, **options) -> Method; later stages register their methods here.
 METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS,
@@ -44,7 +47,11 @@ def query_metrics(query: BenchmarkQuery, out: MethodOutput, i: int, bundle: Bund
     returned = [ids[r] for r in out.items[i]]
     pool = {ids[r] for r in out.pools[i]}
     reference = query.reference
+    union = {ids[r] for r in out.union_pools[i]} if out.union_pools is not None else pool
     return {
+        "recall@5k_union": recall(union, reference),
+        "pool_size": float(len(pool)),
+        "union_pool_size": float(len(union)),
         "recall@5k": recall(pool, reference),
         "hit@5k": group_hit_rate(pool, query.groups),
         "precision@10": precision(returned, reference),
@@ -86,7 +93,7 @@ def evaluate(
             rows.append(row)
     metrics = {name: _mean([r[name] for r in rows]) for name in METRICS[:-1]}
     metrics["latency_ms_per_query"] = 1000.0 * elapsed / max(len(queries), 1)
-    diagnostics = {"distinct_subqueries": _mean([r["distinct_subqueries"] for r in rows])}
+    diagnostics = {name: _mean([r[name] for r in rows]) for name in DIAGNOSTICS}
     return {"method": method, "split": split, "n_queries": len(queries), "k": k,
             "metrics": metrics, "diagnostics": diagnostics}
 

@@ -15,15 +15,18 @@ as in GRPO.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import numpy as np
 
 from service.bundle import Bundle
-from service.decoding import FanoutDecoder
+from service.decoding import FOLM_CONFIG, FanoutDecoder
 from service.encoder import Encoder
-from service.fanout import ParsedFanout, PromptBuilder, parse_fanout
+from service.fanout import ParsedFanout, PromptBuilder, item_name, parse_fanout
+from service.grounding import NameGrounding
 from service.reward import score_probes
+from service.trie import NAME_SCOPES, NameConstraint
 from training.grpo import embed_subqueries
 from training.methods import Method, MethodOutput, fanout_output
 
@@ -40,10 +43,36 @@ def _prompts(bundle: Bundle, decoder: FanoutDecoder) -> PromptBuilder:
     return PromptBuilder(bundle.index, bundle.items.texts, int(decoder.config.get("context", 0)))
 
 
+def served_decoding(bundle: Bundle, decoder: FanoutDecoder, decoding: str | None) -> str:
+    """`decoding`, else the served policy's (folm/folm.json) so that every AR method decodes
+    alike, else this decoder's own, else "lines"."""
+    if decoding is not None:
+        return decoding
+    served = bundle.path / "folm" / FOLM_CONFIG
+    config = json.loads(served.read_text()) if served.is_file() else decoder.config
+    return str(config.get("decoding", "lines"))
+
+
+class Decode:
+    """A decoder with the served decoding: `Decode(...)(prompts, T, seed)` → completions."""
+
+    def __init__(self, bundle: Bundle, decoder: FanoutDecoder, decoding: str | None) -> None:
+        self.decoder, self.decoding = decoder, served_decoding(bundle, decoder, decoding)
+        names = [item_name(t) for t in bundle.items.texts] if self.decoding == "catalog" else ()
+        self.names = NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]),
+                                    self.decoding, names) if self.decoding in NAME_SCOPES else None
+
+    def __call__(self, prompts: list[str], temperature: float, seed: int) -> list[str]:
+        gens = self.decoder.generate(prompts, temperature=temperature, seed=seed,
+                                     enforce_lines=self.decoding != "free", names=self.names)
+        return [g.text for g in gens]
+
+
 def _output(
-    bundle: Bundle, encoder: Encoder, parsed: list[ParsedFanout], queries: np.ndarray
+    bundle: Bundle, encoder: Encoder, grounding: NameGrounding, parsed: list[ParsedFanout],
+    queries: np.ndarray,
 ) -> MethodOutput:
-    probes = embed_subqueries(encoder, parsed, fallback=queries)  # (Q, k, d)
+    probes = embed_subqueries(encoder, grounding, parsed, queries, fallback=True)  # (Q, k, d)
     out = fanout_output(bundle, probes)
     out.valid = np.stack([p.scored for p in parsed])  # (Q, k); > k lines scores 0
     return out
@@ -54,56 +83,58 @@ def sampling_temperature(decoder: FanoutDecoder, temperature: float | None) -> f
 
 
 def one_sample_method(
-    bundle: Bundle, folder: str, k: int, threads: int, temperature: float | None, seed: int
+    bundle: Bundle, folder: str, k: int, threads: int, temperature: float | None, seed: int,
+    decoding: str | None = None,
 ) -> Method:
     decoder = _decoder(bundle, folder, threads)
     encoder = Encoder(bundle.encoder_config)
+    grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
     temp = sampling_temperature(decoder, temperature)
-    prompts = _prompts(bundle, decoder)
+    prompts, decode = _prompts(bundle, decoder), Decode(bundle, decoder, decoding)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
-        gens = decoder.generate(prompts.prompts(texts, queries), temperature=temp, seed=seed)
-        parsed = [parse_fanout(g.text, k) for g in gens]
-        return _output(bundle, encoder, parsed, queries)
+        completions = decode(prompts.prompts(texts, queries), temp, seed)
+        parsed = [parse_fanout(c, k) for c in completions]
+        return _output(bundle, encoder, grounding, parsed, queries)
 
     return run
 
 
 def folm_warmstart(
     bundle: Bundle, k: int = 10, threads: int = 0, temperature: float | None = None,
-    seed: int = SEED,
+    seed: int = SEED, decoding: str | None = None,
 ) -> Method:
-    return one_sample_method(bundle, "folm-warmstart", k, threads, temperature, seed)
+    return one_sample_method(bundle, "folm-warmstart", k, threads, temperature, seed, decoding)
 
 
 def folm(
     bundle: Bundle, k: int = 10, threads: int = 0, temperature: float | None = None,
-    seed: int = SEED,
+    seed: int = SEED, decoding: str | None = None,
 ) -> Method:
-    return one_sample_method(bundle, "folm", k, threads, temperature, seed)
+    return one_sample_method(bundle, "folm", k, threads, temperature, seed, decoding)
 
 
 def best_of_5(
     bundle: Bundle, k: int = 10, threads: int = 0, n: int = BEST_OF,
-    temperature: float | None = None, seed: int = SEED,
+    temperature: float | None = None, seed: int = SEED, decoding: str | None = None,
 ) -> Method:
     """n warm-start samples per query; keep the one with the highest composite reward."""
     decoder = _decoder(bundle, "folm-warmstart", threads)
     encoder = Encoder(bundle.encoder_config)
+    grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
     temp = sampling_temperature(decoder, temperature)
-    prompts = _prompts(bundle, decoder)
+    prompts, decode = _prompts(bundle, decoder), Decode(bundle, decoder, decoding)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
         repeated = [p for p in prompts.prompts(texts, queries) for _ in range(n)]  # (Q·n,)
-        gens = decoder.generate(repeated, temperature=temp, seed=seed)
-        parsed = [parse_fanout(g.text, k) for g in gens]
+        parsed = [parse_fanout(c, k) for c in decode(repeated, temp, seed)]
         q_rep = np.repeat(queries, n, axis=0)  # (Q·n, d)
-        probes = embed_subqueries(encoder, parsed, fallback=q_rep)  # (Q·n, k, d)
+        probes = embed_subqueries(encoder, grounding, parsed, q_rep, fallback=True)  # (Q·n, k, d)
         valid = np.stack([p.scored for p in parsed])  # (Q·n, k)
         terms = score_probes(bundle.index, bundle.items.embeddings, q_rep, probes, valid)
         best = terms.total.reshape(len(texts), n).argmax(axis=1)  # (Q,)
         chosen = [parsed[i * n + int(b)] for i, b in enumerate(best)]
-        return _output(bundle, encoder, chosen, queries)
+        return _output(bundle, encoder, grounding, chosen, queries)
 
     return run
 

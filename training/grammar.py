@@ -1,10 +1,12 @@
-"""The fan-out grammar (exactly k non-empty lines) as a Hugging Face logits processor.
+"""The fan-out grammars (k non-empty lines; lines that are catalog names) as HF logits processors.
 
 The served ONNX decoder's constraint (`service.decoding.line_grammar`, the one rule both use),
 for the torch side: GRPO's sampling (TRL's `GRPOTrainer` calls `model.generate`), the torch
 synthesis backend and the ablation's samples. No <eos> before the k-th line or on an empty line,
 no line break on an empty line, and <eos> forced once k lines are done (TRL cuts a completion at
 its first <eos>). GRPO then spends its signal on what the lines say, not on counting them.
+`NameGrammar` is `service.trie.name_grammar` likewise: each line one of the prompt's catalog
+names ("context") or any catalog name ("catalog"), replayed from each row's tokens per step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from service.decoding import line_grammar, line_tables
+from service.trie import NAME_SCOPES, NameConstraint, NameTrie, name_grammar
 
 
 class LineGrammar(LogitsProcessor):
@@ -54,14 +57,55 @@ class LineGrammar(LogitsProcessor):
         return scores
 
 
-def constrain_generation(model: Any, tokenizer: Any, k: int) -> Any:
-    """Make `model.generate` apply `LineGrammar` (TRL offers no logits-processor hook)."""
+class NameGrammar(LogitsProcessor):
+    """Every completion line one name of its prompt's tree; <eos> forced after k lines.
+
+    The trees come from the prompts the first call sees (after `generate` has expanded them
+    for `num_return_sequences`)."""
+
+    def __init__(self, constraint: NameConstraint, tokenizer: Any, k: int,
+                 prompt_len: int) -> None:
+        self.constraint, self.tokenizer, self.k = constraint, tokenizer, k
+        self.eos, self.prompt_len = constraint.eos, prompt_len
+        self.tries: list[NameTrie] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not self.tries:
+            prompts = self.tokenizer.batch_decode(input_ids[:, : self.prompt_len],
+                                                  skip_special_tokens=True)
+            self.tries = self.constraint.tries(prompts)
+        newline = self.tries[0].newline
+        rows = input_ids[:, self.prompt_len :].tolist()
+        states = [trie.replay(row) for trie, row in zip(self.tries, rows, strict=True)]
+        lines = np.array([row.count(newline) for row in rows], dtype=np.int64)  # (B,)
+        masked = name_grammar(scores.detach().float().cpu().numpy(), self.tries, states, lines,
+                              self.k)  # (B, V)
+        scores = torch.from_numpy(masked).to(scores.device, scores.dtype)
+        done = torch.from_numpy(lines >= self.k)  # (B,) the k-th line break is the end
+        scores[done] = -float("inf")
+        scores[done, self.eos] = 0.0
+        return scores
+
+
+def constrain_generation(
+    model: Any, tokenizer: Any, k: int, decoding: str = "lines", catalog_names: Any = (),
+) -> Any:
+    """Make `model.generate` decode as served (TRL offers no logits-processor hook).
+
+    decoding: "lines" (`LineGrammar`), "context" or "catalog" (`NameGrammar`), "free" (as is).
+    """
+    if decoding == "free":
+        return model
     original = model.generate
     base = LineGrammar.for_tokenizer(tokenizer, k, 0)
+    names = NameConstraint(tokenizer.backend_tokenizer, int(tokenizer.eos_token_id), decoding,
+                           catalog_names) if decoding in NAME_SCOPES else None
 
     def generate(*args: Any, **kwargs: Any) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        grammar = LineGrammar(base.table, base.opens_line.numpy(), base.eos, k, int(ids.shape[1]))
+        width = int(ids.shape[1])
+        grammar: LogitsProcessor = NameGrammar(names, tokenizer, k, width) if names else \
+            LineGrammar(base.table, base.opens_line.numpy(), base.eos, k, width)
         kwargs["logits_processor"] = LogitsProcessorList(
             [grammar, *(kwargs.get("logits_processor") or [])])
         return original(*args, **kwargs)

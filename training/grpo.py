@@ -26,8 +26,10 @@ import numpy as np
 from service.bundle import Bundle, git_commit, load_bundle
 from service.encoder import Encoder
 from service.fanout import ParsedFanout, PromptBuilder, item_name, parse_fanout
+from service.grounding import NameGrounding
 from service.index import search
 from service.reward import RewardTerms, RewardWeights, score_probes
+from service.trie import DECODINGS
 from training.commands import subcommand_group
 
 REWARD_MODES: dict[str, tuple[str, ...]] = {
@@ -49,7 +51,8 @@ class GrpoConfig:
     beta: float = 0.04  # KL weight against the warm start
     temperature: float = 1.0
     warmup_steps: int = 10
-    grammar: bool = True  # sample under the k-line grammar, as the served decoder does
+    # sample as served (service/trie.py DECODINGS): each line one of the prompt's catalog names
+    decoding: str = "context"
     save_steps: int = 50
     seed: int = 0
     threads: int = 1
@@ -63,18 +66,21 @@ GRPO_PRESETS: dict[str, GrpoConfig] = {
 
 
 def embed_subqueries(
-    encoder: Encoder, parsed: list[ParsedFanout], fallback: np.ndarray | None = None
+    encoder: Encoder, grounding: NameGrounding, parsed: list[ParsedFanout], queries: np.ndarray,
+    fallback: bool = False,
 ) -> np.ndarray:
-    """(G, k, d) sub-query embeddings; invalid slots are zero or the fallback (G, d) row."""
+    """(G, k, d) sub-query probes of G fan-outs of queries (G, d): a catalog name is its item
+    (service/grounding.py), other text its embedding; invalid slots are zero, or the query's
+    own embedding with `fallback`."""
     k = len(parsed[0].subqueries) if parsed else 0
     probes = np.zeros((len(parsed), k, encoder.dim), dtype=np.float32)  # (G, k, d)
-    if fallback is not None:
-        probes[:] = fallback[:, None, :]
+    if fallback:
+        probes[:] = queries[:, None, :]
     where = [(g, s) for g, p in enumerate(parsed) for s in range(k) if p.valid[s]]
     if where:
-        vectors = encoder.encode([parsed[g].subqueries[s] for g, s in where])  # (n, d)
         gi, si = (np.array(a) for a in zip(*where, strict=True))
-        probes[gi, si] = vectors
+        texts = [parsed[g].subqueries[s] for g, s in where]
+        probes[gi, si], _ = grounding.probes(texts, queries[gi], encoder.encode)  # (n, d)
     return probes
 
 
@@ -83,6 +89,7 @@ class FanoutScorer:
 
     def __init__(self, bundle: Bundle, encoder: Encoder, k: int) -> None:
         self.bundle, self.encoder, self.k = bundle, encoder, k
+        self.grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
         self._query_cache: dict[str, np.ndarray] = {}
         self._builders: dict[int, PromptBuilder] = {}
         self._last: tuple[tuple[str, ...], RewardTerms, list[ParsedFanout]] | None = None
@@ -105,10 +112,11 @@ class FanoutScorer:
         if self._last is not None and self._last[0] == key:
             return self._last[1], self._last[2]
         parsed = [parse_fanout(c, self.k) for c in completions]
-        probes = embed_subqueries(self.encoder, parsed)  # (G, k, d)
+        query_emb = self.query_embeddings(queries)  # (G, d)
+        probes = embed_subqueries(self.encoder, self.grounding, parsed, query_emb)  # (G, k, d)
         valid = np.stack([p.scored for p in parsed])  # (G, k); > k lines scores 0
-        terms = score_probes(self.bundle.index, self.bundle.items.embeddings,
-                             self.query_embeddings(queries), probes, valid, RewardWeights())
+        terms = score_probes(self.bundle.index, self.bundle.items.embeddings, query_emb, probes,
+                             valid, RewardWeights())
         self._last = (key, terms, parsed)
         return terms, parsed
 
@@ -192,8 +200,8 @@ def train_grpo(
     trainer = GRPOTrainer(model=str(init), reward_funcs=funcs, args=args, train_dataset=data,
                           processing_class=tokenizer)
     del model
-    if config.grammar:
-        constrain_generation(trainer.model, tokenizer, scorer.k)
+    constrain_generation(trainer.model, tokenizer, scorer.k, config.decoding,
+                         [item_name(t) for t in bundle.items.texts])
     trainer.train(resume_from_checkpoint=get_last_checkpoint(str(run_dir)))
     wall = time.perf_counter() - started
     history = trainer.state.log_history
@@ -258,11 +266,10 @@ def _smooth(values: list, window: int = 10) -> list[float]:
 
 def policy_fanouts(
     checkpoint: Path, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
-    seed: int = 0, k: int = 10,
+    seed: int = 0, k: int = 10, decoding: str = "lines", names: list[str] | None = None,
 ) -> list[str]:
-    """One completion per prompt from a HF checkpoint (sampled; greedy at temperature 0).
-
-    Under the k-line grammar, as served (k=0: unconstrained)."""
+    """One completion per prompt from a HF checkpoint (sampled; greedy at temperature 0),
+    decoded as served (`decoding`; `names` are the catalog's, for "catalog"; k=0: free)."""
     import torch
 
     from training.grammar import constrain_generation
@@ -270,7 +277,7 @@ def policy_fanouts(
 
     model, tokenizer = load_policy(checkpoint)
     if k:
-        constrain_generation(model, tokenizer, k)
+        constrain_generation(model, tokenizer, k, decoding, names or ())
     torch.manual_seed(seed)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} \
         if temperature > 0 else {"do_sample": False}
@@ -292,7 +299,8 @@ def collapse_signatures(
     """The paper's collapse modes, measured: nonsense near one item; paraphrases of the query."""
     terms, parsed = scorer.score(queries, completions)
     names = {item_name(t).lower() for t in scorer.bundle.items.texts}
-    probes = embed_subqueries(scorer.encoder, parsed)  # (G, k, d)
+    probes = embed_subqueries(scorer.encoder, scorer.grounding, parsed,
+                              scorer.query_embeddings(queries))  # (G, k, d)
     _, rows = search(scorer.bundle.index, probes.reshape(-1, probes.shape[-1]), 1)
     rows = rows[:, 0].reshape(len(parsed), -1)  # (G, k)
     subs = [(q.lower(), s.lower()) for q, p in zip(queries, parsed, strict=True)
@@ -315,8 +323,10 @@ def collapse_signatures(
     }
 
 
-def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int = 64) -> Path:
-    """Sampled fan-outs (T=1, the GRPO temperature) of each run on val query texts.
+def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int = 64,
+                    decoding: str = "lines") -> Path:
+    """Sampled fan-outs (T=1, the GRPO temperature) of each run on val query texts, decoded
+    as the runs sampled (`decoding`).
 
     Writes runs/ablation/report.{json,md}.
     """
@@ -330,7 +340,9 @@ def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int =
     for name, checkpoint in checkpoints.items():
         policy = policy_meta(checkpoint).get("policy", {})
         prompts = scorer.prompts(queries, int(policy.get("context", 0)))
-        completions = policy_fanouts(checkpoint, prompts, int(policy.get("max_new_tokens", 48)))
+        completions = policy_fanouts(checkpoint, prompts, int(policy.get("max_new_tokens", 48)),
+                                     decoding=decoding,
+                                     names=[item_name(t) for t in bundle.items.texts])
         report[name] = collapse_signatures(scorer, queries, completions)
     out = bundle_dir / "runs" / "ablation"
     out.mkdir(parents=True, exist_ok=True)
@@ -377,11 +389,13 @@ def cmd_train_folm(args: argparse.Namespace) -> None:
     for mode in modes:
         steps = args.steps or (args.ablation_steps if ablation else None)
         config = resolve_config(args.preset, reward=mode, steps=steps, threads=args.threads,
-                                lr=args.lr, beta=args.beta, temperature=args.temperature)
+                                lr=args.lr, beta=args.beta, temperature=args.temperature,
+                                decoding=args.decoding)
         run_dir = args.bundle / "runs" / "ablation" / mode if ablation else None
         finals[mode] = train_grpo(args.bundle, config, init, run_dir)
     if ablation:
-        ablation_report(args.bundle, {"warm start": init, **finals})
+        ablation_report(args.bundle, {"warm start": init, **finals},
+                        decoding=config.decoding)
     print(f"stage 1 wall time (this invocation): {time.perf_counter() - started:.0f} s")
 
 
@@ -396,6 +410,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     folm.add_argument("--lr", type=float, default=None, help="GRPO learning rate")
     folm.add_argument("--beta", type=float, default=None, help="KL weight to the warm start")
     folm.add_argument("--temperature", type=float, default=None, help="GRPO sampling T")
+    folm.add_argument("--decoding", default=None, choices=DECODINGS,
+                      help="how sampled lines are decoded (default context: prompt's names)")
     folm.add_argument("--init", default=None, help="start from this HF checkpoint folder")
     folm.add_argument("--warmstart-only", action="store_true")
     folm.add_argument("--force-warmstart", action="store_true", help="retrain the warm start")

@@ -126,6 +126,10 @@ def folm_config(model: Any, tokenizer: Any, meta: dict[str, Any]) -> dict[str, A
         "preset": policy.get("preset", "custom"),
         # the temperature the policy was optimised at: serve and evaluate by sampling at it
         "temperature": float(meta.get("config", {}).get("temperature", 1.0)),
+        # how its lines are decoded (service/trie.py): as GRPO sampled; a warm start with
+        # catalog names in its prompt is decoded like the policy trained from it
+        "decoding": str(meta.get("config", {}).get(
+            "decoding", "context" if int(policy.get("context", 0)) > 0 else "lines")),
         "params": n_params(model),
     }
 

@@ -1,16 +1,18 @@
 """Stage 2: synthesise the diffusion model's training set from the frozen fan-out policy.
 
 Each training query is sampled `samples_per_query` times (paper: 128) at temperature 0.9;
-each sample's k sub-queries are embedded and resolved to their top-1 catalog items, whose
-embeddings form the target block. The targets are the policy's whole output distribution: no
-reward filter by default (paper Fig. 1, §2.4). `--keep-top-frac F` keeps only each query's
-best F of samples by reward — the "filter successful trajectories" reading, for comparison.
-The local and torch backends sample under the fan-out grammar (exactly k non-empty lines, as
-served); a sample with fewer than k non-empty lines (the http backend's, unconstrained) cannot
-give k targets and is dropped (counted in the ledger); duplicate lines are kept and resolve to
-the same item, as the policy wrote them. `--extra-queries N` adds N catalog names that are no
-val/test query (the warm start's pick) as queries, `--extra-samples` samples each: the student
-sees more distinct conditions than the 738 train queries.
+each sample's k sub-queries are resolved to catalog items — a name by lookup, other text by
+its top-1 neighbour (service/grounding.py) — whose embeddings form the target block. The
+targets are the policy's whole output distribution: no reward filter by default (paper Fig. 1,
+§2.4). `--keep-top-frac F` keeps only each query's best F of samples by reward — the "filter
+successful trajectories" reading, for comparison. The local and torch backends sample as the
+service decodes (`--decoding`, default `context`: each of the k lines one of the prompt's
+catalog names, service/trie.py); a sample with fewer than k non-empty lines (the http
+backend's, unconstrained) cannot give k targets and is dropped (counted in the ledger);
+duplicate lines are kept and resolve to the same item, as the policy wrote them.
+`--extra-queries N` adds N catalog names that are no val/test query (the warm start's pick) as
+queries, `--extra-samples` samples each: the student sees more distinct conditions than the
+738 train queries.
 
 Backends: `local` (in this process, the default: the policy exported to ONNX and decoded
 by `service.decoding.FanoutDecoder` — what the service runs, 2–5× faster than HF `generate`
@@ -38,8 +40,10 @@ from service.bundle import git_commit, load_bundle
 from service.encoder import Encoder
 from service.errors import InputError
 from service.fanout import PromptBuilder, item_name, parse_fanout
+from service.grounding import NameGrounding
 from service.index import search
 from service.reward import reward_terms
+from service.trie import DECODINGS, NAME_SCOPES, NameConstraint
 
 SYNTHESIS_RUN = "synthesis"
 SHARDS = "shards"
@@ -59,6 +63,7 @@ class SynthesisConfig:
     endpoint: str | None = None  # base URL of an OpenAI-compatible server (http backend)
     model: str = "folm"  # model name sent to the http backend
     keep_top_frac: float | None = None  # None: no reward filter (the paper's choice)
+    decoding: str = "context"  # as GRPO sampled and the service decodes (service/trie.py)
     k: int = 10
     seed: int = 0
     threads: int = 1  # ONNX Runtime / torch intra-op threads
@@ -69,6 +74,8 @@ class SynthesisConfig:
         bad = [f"{name} must be ≥ 1 (got {value})" for name, value in counts.items() if value < 1]
         if self.extra_queries < 0:
             bad.append(f"extra queries must be ≥ 0 (got {self.extra_queries})")
+        if self.decoding not in DECODINGS:
+            bad.append(f"decoding must be one of {', '.join(DECODINGS)} (got {self.decoding})")
         if self.temperature < 0:
             bad.append(f"temperature must be ≥ 0 (got {self.temperature})")
         if bad:
@@ -98,27 +105,33 @@ class Sampler(Protocol):
 class OnnxSampler:
     """The exported policy decoded by ONNX Runtime with a KV cache, in this process."""
 
-    def __init__(self, folm_dir: Path, threads: int) -> None:
+    def __init__(self, folm_dir: Path, threads: int, decoding: str = "lines",
+                 names: list[str] | None = None) -> None:
         from service.decoding import FanoutDecoder
 
         self.decoder = FanoutDecoder(folm_dir, threads=threads)
+        self.free = decoding == "free"
+        self.names = NameConstraint(self.decoder.tokenizer, int(self.decoder.config["eos_id"]),
+                                    decoding, names or ()) if decoding in NAME_SCOPES else None
 
     def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
                seed: int) -> tuple[list[str], int]:
-        gens = self.decoder.generate([prompt] * n, temperature, max_new_tokens, seed)
+        gens = self.decoder.generate([prompt] * n, temperature, max_new_tokens, seed,
+                                     enforce_lines=not self.free, names=self.names)
         return [g.text for g in gens], sum(g.n_tokens for g in gens)
 
 
 class TorchSampler:
     """HF `generate` on an in-process checkpoint; returns (texts, tokens generated)."""
 
-    def __init__(self, checkpoint: Path, k: int) -> None:
+    def __init__(self, checkpoint: Path, k: int, decoding: str = "lines",
+                 names: list[str] | None = None) -> None:
         from training.grammar import constrain_generation
         from training.policy import load_policy
 
         self.model, self.tokenizer = load_policy(checkpoint)
         self.model.eval()
-        constrain_generation(self.model, self.tokenizer, k)  # the served decoder's grammar
+        constrain_generation(self.model, self.tokenizer, k, decoding, names or ())  # as served
 
     def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
                seed: int) -> tuple[list[str], int]:
@@ -163,30 +176,38 @@ class HttpSampler:
 
 
 class ResolutionCache:
-    """Sub-query text → (embedding, top-1 row, cosine), shared across queries of a run.
+    """Sub-query text → (probe, top-1 row, cosine), shared across queries of a run.
 
-    A trained policy reuses names across queries, so most texts are embedded and searched
-    once. Bounded: cleared when it holds `limit` texts.
+    A catalog name resolves to its item by lookup (service/grounding.py: probe = the item, cosine
+    1); other texts are embedded and searched once each — a trained policy reuses texts across
+    queries. Bounded: cleared when it holds `limit` texts.
     """
 
     def __init__(self, bundle: Any, encoder: Encoder, limit: int = 500_000) -> None:
         self.bundle, self.encoder, self.limit = bundle, encoder, limit
+        self.grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
         self.entries: dict[str, tuple[np.ndarray, int, float]] = {}
         self.searches = 0
 
-    def lookup(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(vectors (U, d), rows (U,), sims (U,)) of distinct `texts`."""
-        missing = [t for t in texts if t not in self.entries]
+    def lookup(
+        self, texts: list[str], query: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(probes (U, d), rows (U,), sims (U,)) of distinct `texts` written for `query` (d,)."""
+        named = self.grounding.rows(texts, np.broadcast_to(query, (len(texts), len(query))))
+        free = [t for t, r in zip(texts, named, strict=True) if r < 0]
+        missing = [t for t in free if t not in self.entries]
         if len(self.entries) + len(missing) > self.limit:
             self.entries.clear()
-            missing = list(texts)
+            missing = free
         if missing:
             vectors = self.encoder.encode(missing)  # (M, d)
             sims, rows = search(self.bundle.index, vectors, 1)  # (M, 1)
             self.searches += len(missing)
             for j, text in enumerate(missing):
                 self.entries[text] = (vectors[j], int(rows[j, 0]), float(sims[j, 0]))
-        got = [self.entries[t] for t in texts]
+        items = self.bundle.items.embeddings
+        got = [(items[r], int(r), 1.0) if r >= 0 else self.entries[t]
+               for t, r in zip(texts, named, strict=True)]
         return (np.stack([g[0] for g in got]), np.array([g[1] for g in got], dtype=np.int64),
                 np.array([g[2] for g in got], dtype=np.float32))
 
@@ -202,7 +223,7 @@ def resolve_samples(
     subs = [s for i in keep for s in parsed[i].subqueries]
     position = {text: j for j, text in enumerate(dict.fromkeys(subs))}
     slot = np.array([position[s] for s in subs])  # (S·k,) into the distinct texts
-    vectors, rows, sims = cache.lookup(list(position))  # (U, d), (U,), (U,)
+    vectors, rows, sims = cache.lookup(list(position), query_emb)  # (U, d), (U,), (U,)
     probes = vectors[slot].reshape(len(keep), k, -1)  # (S, k, d)
     rows = rows[slot].reshape(len(keep), k)  # (S, k)
     target = cache.bundle.items.embeddings[rows]  # (S, k, d)
@@ -267,16 +288,19 @@ def save_shard(path: Path, arrays: dict[str, list], lines: list[str], k: int, di
     tmp.replace(path)
 
 
-def make_sampler(config: SynthesisConfig, checkpoint: Path, run_dir: Path) -> Sampler:
+def make_sampler(
+    config: SynthesisConfig, checkpoint: Path, run_dir: Path, names: list[str] | None = None
+) -> Sampler:
+    """The sampling backend; `names` (every catalog name) serve the "catalog" decoding."""
     if config.backend == "local":
         folder = run_dir / "policy-onnx"
         if not (folder / "folm.json").is_file():
             from training.policy_export import export_folder
 
             export_folder(checkpoint, folder)
-        return OnnxSampler(folder, config.threads)
+        return OnnxSampler(folder, config.threads, config.decoding, names)
     if config.backend == "torch":
-        return TorchSampler(checkpoint, config.k)
+        return TorchSampler(checkpoint, config.k, config.decoding, names)
     if config.backend == "http":
         if not config.endpoint:
             raise ValueError("the http backend needs --endpoint (e.g. http://127.0.0.1:8000)")
@@ -318,7 +342,8 @@ def synthesize(
     (run_dir / "queries.json").write_text(json.dumps(queries) + "\n")
     budget = config.max_new_tokens or int(policy.get("max_new_tokens", 48))
     prompts = PromptBuilder(bundle.index, bundle.items.texts, context).prompts(queries, query_emb)
-    ctx = {"sampler": make_sampler(config, checkpoint, run_dir),
+    catalog = [item_name(t) for t in bundle.items.texts] if config.decoding == "catalog" else None
+    ctx = {"sampler": make_sampler(config, checkpoint, run_dir, catalog),
            "cache": ResolutionCache(bundle, encoder), "queries": queries, "prompts": prompts,
            "query_emb": query_emb, "max_new_tokens": budget, "dim": encoder.dim,
            "samples": samples}
@@ -401,6 +426,7 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         extra_queries=args.extra_queries, extra_samples=args.extra_samples,
         backend=args.backend, endpoint=args.endpoint, model=args.model,
         keep_top_frac=args.keep_top_frac, threads=args.threads, seed=args.seed,
+        decoding=args.decoding,
     )
     checkpoint = Path(args.checkpoint) if args.checkpoint else \
         args.bundle / "runs" / "folm-all" / "final"
@@ -422,6 +448,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     syn.add_argument("--extra-samples", type=int, default=SynthesisConfig.extra_samples,
                      help="samples per extra query")
     syn.add_argument("--temperature", type=float, default=0.9)
+    syn.add_argument("--decoding", default=SynthesisConfig.decoding, choices=DECODINGS,
+                     help="how sampled lines are decoded (local/torch backends)")
     syn.add_argument("--backend", default="local", choices=("local", "torch", "http"))
     syn.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL (http)")
     syn.add_argument("--model", default="folm", help="model name for the http backend")

@@ -82,19 +82,27 @@ def test_info_reports_the_real_runtimes(model_server):
     with model_server.client() as client:
         served = client.get("/v1/info").json()["served"]
     assert served["paths"]["ar"]["backend"] == "onnx"
-    assert served["paths"]["ar"]["grammar"] is True  # R4T_AR_GRAMMAR, on by default
+    # R4T_AR_DECODING unset: as the policy was trained, with catalog names in its prompts
+    assert served["paths"]["ar"]["decoding"] == "context"
     assert "CPUExecutionProvider" in served["providers"]["ar"]
     assert "CPUExecutionProvider" in served["providers"]["diffusion"]
     assert served["paths"]["diffusion"]["config"]["solver"] == "heun"
 
 
-def test_onnx_backend_decodes_under_the_grammar_setting(model_bundle: Path) -> None:
+def test_onnx_backend_decodes_under_the_decoding_setting(model_bundle: Path) -> None:
+    from service.fanout import build_prompt, prompt_context
     from service.paths import OnnxFanoutBackend
     from tests.service.test_decoding import BreakHappyDecoder
 
     decoder = BreakHappyDecoder(model_bundle / "folm", threads=1)  # short fan-outs unless held
     prompts = ["query: boat\nfan-out:\n"] * 16
-    held = OnnxFanoutBackend(decoder, 1.0, 120, 0).generate(prompts)
-    free = OnnxFanoutBackend(decoder, 1.0, 120, 0, grammar=False).generate(prompts)
+    held = OnnxFanoutBackend(decoder, 1.0, 120, 0, decoding="lines").generate(prompts)
+    free = OnnxFanoutBackend(decoder, 1.0, 120, 0, decoding="free").generate(prompts)
     lines = [[len(t.split("\n")) for t in texts] for texts in (held, free)]
     assert min(lines[1]) < 10 <= min(lines[0])
+    names = [f"boat {i}" for i in range(12)]
+    context = [build_prompt("boat", names)] * 4
+    named = OnnxFanoutBackend(decoder, 1.0, 200, 0).generate(context)  # folm.json: "context"
+    for text in named:
+        assert len(set(text.split("\n"))) == 10 and set(text.split("\n")) <= set(names)
+    assert prompt_context(context[0]) == names

@@ -68,3 +68,26 @@ def test_mmr_is_more_diverse_than_single(small_bundle_dir):
     single = evaluate(bundle, "single", split="train")["metrics"]
     mmr = evaluate(bundle, "mmr", split="train", lam=0.5)["metrics"]
     assert mmr["vendi@10"] > single["vendi@10"]
+
+
+def test_fanout_pools_hold_as_many_distinct_items_as_single(small_bundle_dir, monkeypatch):
+    """A fan-out's pool is POOL_SIZE distinct items, interleaved rank by rank over its probes,
+    even when the probes' neighbourhoods overlap (the paper's union then holds fewer)."""
+    import training.methods as methods
+    from service.index import search
+
+    monkeypatch.setattr(methods, "POOL_SIZE", 20)
+    monkeypatch.setattr(methods, "POOL_PER_SLOT", 2)
+    bundle = load_bundle(small_bundle_dir)
+    emb = bundle.items.embeddings
+    same = np.repeat(emb[[0]], 10, axis=0)[None]  # (1, 10, d): ten copies of one probe
+    out = methods.fanout_output(bundle, same)
+    _, ranked = search(bundle.index, emb[[0]], 20)
+    assert len(out.union_pools[0]) == 2  # 2 per slot, all the same two
+    assert sorted(out.pools[0]) == sorted(ranked[0])  # the probe's own top 20
+    spread = emb[np.arange(0, 40, 4)][None]  # (1, 10, d): ten different probes
+    out = methods.fanout_output(bundle, spread)
+    pool = list(out.pools[0])
+    assert len(pool) == len(set(pool)) == 20
+    tops = search(bundle.index, spread[0], 1)[1][:, 0]  # each probe is an item: itself
+    assert pool[:10] == tops.tolist()  # every probe's first neighbour, in probe order, first

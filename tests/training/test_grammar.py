@@ -1,4 +1,4 @@
-"""The k-line grammar as a Hugging Face logits processor (GRPO's and torch synthesis' sampling)."""
+"""The fan-out grammars as Hugging Face logits processors (GRPO's and torch synthesis' sampling)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from tests.service.test_decoding import exported  # noqa: F401 (fixture)
 from tests.training.test_policy import make_tiny_bundle, make_tiny_policy
 from training.grammar import LineGrammar, constrain_generation
 from training.policy import load_policy
@@ -75,3 +76,51 @@ def test_line_grammar_masks_by_state() -> None:
     assert inf[1, 2] and not inf[1, 3]  # first line has text: a break, not yet <eos>
     assert not inf[2, 2] and not inf[2, 3]  # last line with text: either ends it
     assert inf[3].sum() == 4 and not inf[3, 2]  # k breaks: only <eos>
+
+
+def test_name_grammar_matches_the_served_decoder(
+    exported: tuple[Path, Path],  # noqa: F811
+) -> None:
+    """HF `generate` under NameGrammar, the ONNX decoder under name_grammar: same greedy lines."""
+    from service.decoding import FanoutDecoder
+    from service.fanout import build_prompt, prompt_context
+    from service.trie import NameConstraint
+
+    checkpoint, folder = exported
+    decoder = FanoutDecoder(folder, threads=1)
+    served = NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]), "context")
+    prompts = [build_prompt("camping", ["tent", "camping tent", "whisk", "violin"]),
+               build_prompt("music", ["violin", "hammer", "tent", "bowed instrument"])]
+    onnx = [g.text for g in decoder.generate(prompts, max_new_tokens=60, max_lines=3,
+                                             names=served)]
+    model, tokenizer = load_policy(checkpoint)
+    constrain_generation(model, tokenizer, 3, "context")
+    hf = []
+    for prompt in prompts:  # one at a time: no padding on the reference side
+        enc = tokenizer([prompt], return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=False, max_new_tokens=60,
+                                 pad_token_id=tokenizer.pad_token_id)
+        text = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        hf.append(text.removesuffix("\n"))  # the 3rd break, then the forced <eos>
+    assert hf == onnx
+    for prompt, text in zip(prompts, hf, strict=True):
+        lines = text.split("\n")
+        assert len(set(lines)) == 3 and set(lines) <= set(prompt_context(prompt))
+
+
+def test_name_grammar_follows_expanded_prompts(policy: Path) -> None:
+    """num_return_sequences expands the prompts after the processor is made."""
+    from service.fanout import build_prompt
+
+    model, tokenizer = load_policy(policy)
+    names = ["tent", "boat", "tree", "stove", "lamp"]
+    constrain_generation(model, tokenizer, K, "context")
+    enc = tokenizer([build_prompt("camping", names)], return_tensors="pt")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=60,
+                             num_return_sequences=6, pad_token_id=tokenizer.pad_token_id)
+    for row in out[:, enc["input_ids"].shape[1]:]:
+        lines = tokenizer.decode(row, skip_special_tokens=True).removesuffix("\n").split("\n")
+        assert len(lines) == K and len(set(lines)) == K and set(lines) <= set(names)
