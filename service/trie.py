@@ -7,8 +7,9 @@ only grow along the tree and only end (line break, or <eos> on the last line) wh
 and a name already written in the same fan-out cannot end again (repeats score 0 in the reward).
 Both runtimes use `name_grammar`: the service's ONNX decoder keeps each row's node as it decodes;
 the Hugging Face processor (training/grammar.py) replays each row's tokens (`NameTrie.replay`).
-Hand-written: the tree is over our own tokenizer's ids, which no constrained-decoding library
-we may ship in the numpy-only service takes as input.
+Hand-written: the allowed names change with every prompt (its 16 nearest), and guided-decoding
+libraries (outlines, lm-format-enforcer) compile an automaton per pattern; a trie of a prompt's
+names costs a few hundred tokens to build, and it stays numpy-only, like the service.
 """
 
 from __future__ import annotations

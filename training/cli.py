@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from service.errors import R4TError
+from service.trie import DECODINGS
 
 DEFAULT_BUNDLE = Path("models/default")
 
@@ -55,6 +56,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from service.bundle import load_bundle
     from service.encoder import Encoder
     from training.evaluation import METHODS, evaluate, results_table, write_report
+    from training.fanout_methods import FANOUT_METHODS
     from training.methods import BASELINES
 
     if args.steps_curve:
@@ -69,6 +71,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         options: dict = {"lam": args.mmr_lambda} if name == "mmr" else {}
         if name not in BASELINES:  # model methods run ONNX Runtime
             options["threads"] = args.threads
+        if name in FANOUT_METHODS and args.decoding:
+            options["decoding"] = args.decoding
         report = evaluate(bundle, name, args.split, args.k, args.limit, encoder, **options)
         print(f"wrote {write_report(args.bundle, report)}")
     print(results_table(args.bundle))
@@ -99,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--k", type=int, default=10)
     ev.add_argument("--limit", type=int, default=None, help="first N queries of the split")
     ev.add_argument("--mmr-lambda", type=float, default=0.7)
+    ev.add_argument("--decoding", default=None, choices=DECODINGS,
+                    help="AR methods' decoding (default: the served policy's, folm.json)")
     ev.add_argument("--threads", type=int, default=0,
                     help="ONNX Runtime threads of model methods (0 = all cores)")
     ev.add_argument("--steps-curve", action="store_true",

@@ -56,12 +56,16 @@ def test_prompt_context_reads_back_the_catalog_line() -> None:
     assert prompt_context(build_prompt("camping")) == []
 
 
+def context_decoder(folder: Path) -> tuple[FanoutDecoder, NameConstraint]:
+    """An exported policy's decoder and its "context" name constraint."""
+    decoder = FanoutDecoder(folder, threads=1)
+    return decoder, NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]), "context")
+
+
 def test_context_decoding_writes_distinct_names_of_its_own_prompt(
     exported: tuple[Path, Path],  # noqa: F811
 ) -> None:
-    _, folder = exported
-    decoder = FanoutDecoder(folder, threads=1)
-    constraint = NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]), "context")
+    decoder, constraint = context_decoder(exported[1])
     contexts = [["tent", "camping tent", "whisk"], ["violin", "hammer", "bowed instrument"]]
     prompts = [build_prompt("camping", contexts[0]), build_prompt("music", contexts[1])] * 6
     gens = decoder.generate(prompts, temperature=1.0, max_new_tokens=60, seed=2, max_lines=3,

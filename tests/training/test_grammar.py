@@ -82,13 +82,11 @@ def test_name_grammar_matches_the_served_decoder(
     exported: tuple[Path, Path],  # noqa: F811
 ) -> None:
     """HF `generate` under NameGrammar, the ONNX decoder under name_grammar: same greedy lines."""
-    from service.decoding import FanoutDecoder
     from service.fanout import build_prompt, prompt_context
-    from service.trie import NameConstraint
+    from tests.service.test_trie import context_decoder
 
     checkpoint, folder = exported
-    decoder = FanoutDecoder(folder, threads=1)
-    served = NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]), "context")
+    decoder, served = context_decoder(folder)
     prompts = [build_prompt("camping", ["tent", "camping tent", "whisk", "violin"]),
                build_prompt("music", ["violin", "hammer", "tent", "bowed instrument"])]
     onnx = [g.text for g in decoder.generate(prompts, max_new_tokens=60, max_lines=3,
