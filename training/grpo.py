@@ -318,9 +318,21 @@ def collapse_signatures(
         "repeated_word_share": float(np.mean([len(set(s.split())) < len(s.split())
                                               for _, s in subs])) if subs else 0.0,
         "contains_query_share": float(np.mean([q in s for q, s in subs])) if subs else 0.0,
+        "stock_line_share": stock_line_share(subs),
         "examples": [{"query": q, "fanout": c.split("\n")}
                      for q, c in list(zip(queries, completions, strict=True))[:3]],
     }
+
+
+def stock_line_share(subs: list[tuple[str, str]]) -> float:
+    """Share of the (query, line) pairs whose line the run writes for over 10% of its queries."""
+    if not subs:
+        return 0.0
+    writers: dict[str, set[str]] = {}
+    for query, line in subs:
+        writers.setdefault(line, set()).add(query)
+    common = max(1.0, 0.1 * len({query for query, _ in subs}))
+    return float(np.mean([len(writers[line]) > common for _, line in subs]))
 
 
 def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int = 64,
@@ -355,14 +367,16 @@ def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int =
 def ablation_markdown(report: dict[str, dict], n: int) -> str:
     cols = ["composite", "ground", "diversity", "alignment", "distinct_subqueries",
             "top_item_share", "non_catalog_name_share", "repeated_word_share",
-            "contains_query_share"]
+            "contains_query_share", "stock_line_share"]
     lines = [f"# Reward ablation: sampled fan-outs (T=1) on {n} val queries", "",
              "| run | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, row in report.items():
         lines.append(f"| {name} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |")
     lines += ["", "Collapse signatures: groundedness alone → high top_item_share and "
               "non_catalog_name_share/repeated_word_share (nonsense near one item); "
-              "+alignment → high contains_query_share (paraphrases of the query).", ""]
+              "+alignment → high contains_query_share (paraphrases of the query); "
+              "stock_line_share: lines the run writes for over 10% of the queries "
+              "(one stock fan-out whatever the query).", ""]
     for name, row in report.items():
         ex = row["examples"][0]
         lines.append(f"- **{name}** — `{ex['query']}`: " + " / ".join(ex["fanout"][:10]))

@@ -99,6 +99,11 @@ def test_collapse_signatures_tell_the_modes_apart(scorer: FanoutScorer) -> None:
     assert sig["nonsense"]["repeated_word_share"] > 0.5 > sig["good"]["repeated_word_share"]
     assert sig["para"]["contains_query_share"] == 1.0 > sig["good"]["contains_query_share"]
     assert sig["good"]["top_item_share"] <= sig["nonsense"]["top_item_share"]
+    queries = [f"query {i}" for i in range(20)]
+    stock = collapse_signatures(scorer, queries, [GOOD] * 20)  # one fan-out whatever the query
+    own = [format_fanout([f"thing {i} {j}" for j in range(10)]) for i in range(20)]
+    assert stock["stock_line_share"] == 1.0
+    assert collapse_signatures(scorer, queries, own)["stock_line_share"] == 0.0
 
 
 def test_ablation_report_lists_every_run(setup: tuple[Path, Path]) -> None:
