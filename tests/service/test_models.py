@@ -106,3 +106,18 @@ def test_onnx_backend_decodes_under_the_decoding_setting(model_bundle: Path) -> 
     for text in named:
         assert len(set(text.split("\n"))) == 10 and set(text.split("\n")) <= set(names)
     assert prompt_context(context[0]) == names
+
+
+def test_context_decoding_without_catalog_names_is_refused(model_bundle: Path) -> None:
+    from service.bundle import load_bundle
+    from service.encoder import Encoder
+    from service.retriever import Loaders, load_paths
+
+    bundle = load_bundle(model_bundle)
+    encoder = Encoder(bundle.encoder_config)
+    settings = make_settings(model_bundle, None, ar_backend="onnx", ar_context=0)
+    paths, problems = load_paths(settings, bundle, encoder, Loaders())
+    assert "ar" not in paths and "R4T_AR_CONTEXT > 0" in problems["ar"]
+    lines = make_settings(model_bundle, None, ar_backend="onnx", ar_context=0,
+                          ar_decoding="lines")
+    assert "ar" in load_paths(lines, bundle, encoder, Loaders())[0]  # free text needs none
