@@ -25,6 +25,8 @@ from service.bundle import load_bundle
 from service.decoding import FanoutDecoder
 from service.encoder import Encoder
 from service.fanout import PromptBuilder, parse_fanout
+from service.grounding import NameGrounding
+from service.paths import OnnxFanoutBackend
 from service.resolution import distinct_nearest
 from service.sampler import DiffusionSampler
 
@@ -82,7 +84,9 @@ def diffusion_batch(queries: list[str], encoder: Encoder, sampler: DiffusionSamp
 
 
 def ar_batch(queries: list[str], encoder: Encoder, decoder: FanoutDecoder,
-             bundle: Any, k: int, builder: PromptBuilder) -> dict[str, float]:
+             bundle: Any, k: int, builder: PromptBuilder, served: OnnxFanoutBackend,
+             grounding: NameGrounding) -> dict[str, float]:
+    """The served AR path's work: prompt, decode as served (greedy), resolve, search."""
     clock: dict[str, float] = {}
     started = time.perf_counter()
     embedded = encoder.encode(queries)  # (B, d)
@@ -91,13 +95,15 @@ def ar_batch(queries: list[str], encoder: Encoder, decoder: FanoutDecoder,
     prompts = builder.prompts(queries, embedded)  # the query's catalog context: one dense search
     clock["search"] = time.perf_counter() - started
     started = time.perf_counter()
-    generations = decoder.generate(prompts, temperature=0.0)
+    generations = decoder.generate(prompts, temperature=0.0, names=served.names,
+                                   enforce_lines=served.decoding != "free")
     clock["decode"] = time.perf_counter() - started
     clock["tokens"] = float(sum(g.n_tokens for g in generations))
     started = time.perf_counter()
     parsed = [parse_fanout(g.text, k) for g in generations]
-    subs = encoder.encode([s or q for p, q in zip(parsed, queries, strict=True)
-                           for s in p.subqueries])  # (B·k, d)
+    texts = [s or q for p, q in zip(parsed, queries, strict=True) for s in p.subqueries]
+    owners = np.repeat(embedded, k, axis=0)  # (B·k, d)
+    subs, _ = grounding.probes(texts, owners, encoder.encode)  # (B·k, d): names looked up
     clock["encode"] += time.perf_counter() - started
     started = time.perf_counter()
     distinct_nearest(bundle.index, subs.reshape(len(queries), k, -1))  # (B, k, d)
@@ -115,19 +121,23 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path)
              (bundle_dir / "benchmark" / "test.jsonl").read_text().splitlines()]
     diffusion_batch(texts[:8], encoder, sampler, bundle, k)  # warm-up both paths
     builder = PromptBuilder(bundle.index, bundle.items.texts, int(decoder.config.get("context", 0)))
-    ar_batch(texts[:8], encoder, decoder, bundle, k, builder)
+    served = OnnxFanoutBackend(decoder, 0.0, int(decoder.config["max_new_tokens"]), 0)
+    grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
+    ar_args = (encoder, decoder, bundle, k, builder, served, grounding)
+    ar_batch(texts[:8], *ar_args)
     peak = matmul_peak_gflops()
     rows = []
     for b in tqdm(batches, desc="bench", unit="batch size"):
         queries = [texts[i % len(texts)] for i in range(b)]
         d = best_of(REPEATS, diffusion_batch, queries, encoder, sampler, bundle, k)
-        a = best_of(REPEATS, ar_batch, queries, encoder, decoder, bundle, k, builder)
+        a = best_of(REPEATS, ar_batch, queries, *ar_args)
         rows.append(_row(b, d, a, sampler.config, peak))
     report = {"machine": machine(), "matmul_peak_gflops": peak, "threads": threads,
               "providers": {"diffusion": sampler.providers, "ar": decoder.providers},
               "sampler": {key: sampler.config.get(key) for key in
                           ("solver", "steps", "cfg_weight", "params", "flops_per_query", "rows")},
-              "folm": {key: decoder.config.get(key) for key in ("params", "max_new_tokens")},
+              "folm": {key: decoder.config.get(key) for key in ("params", "max_new_tokens")}
+              | {"decoding": served.decoding},
               "rows": rows}
     write_outputs(report, out_dir)
     return report
@@ -161,7 +171,8 @@ def markdown(report: dict) -> str:
         f"- diffusion sampler: {s['solver']}, {s['steps']} steps, CFG w={s['cfg_weight']}, "
         f"{s['params']:,} params, {s['flops_per_query'] / 1e6:.0f} MFLOP/query",
         f"- AR fan-out model: {report['folm']['params']:,} params, greedy, "
-        f"≤ {report['folm']['max_new_tokens']} new tokens",
+        f"{report['folm'].get('decoding', 'lines')} decoding, "
+        f"≤ {report['folm']['max_new_tokens']} new tokens, named sub-queries looked up",
         f"- each figure is the fastest of {REPEATS} runs; seconds per batch, encode + model + "
         "search (k distinct items)", "",
         "| batch | AR (s) | diffusion (s) | speedup | AR decode | AR encode+search | "
