@@ -143,7 +143,8 @@ class FanoutDecoder:
         A row stops at <eos> or at its `max_lines`-th line break (default: the fan-out's k;
         0 = no stop), and its text is cut before that break. `enforce_lines` (with a stop) masks
         <eos> before the last line and line breaks on an empty line (`line_grammar`); `names`
-        (with a stop) further keeps every line a catalog name (`service.trie.name_grammar`).
+        (with a stop) applies that grammar whatever `enforce_lines` says and moreover keeps
+        every line a catalog name (`service.trie.name_grammar`).
         """
         if not prompts:
             return []
@@ -163,14 +164,16 @@ class FanoutDecoder:
         done = np.zeros(len(prompts), dtype=bool)
         lengths = np.full(len(prompts), budget, dtype=np.int64)
         for step in range(budget):
+            if grammar or tries is not None:
+                logits = line_grammar(logits, self.newlines, lines, open_line, stop, eos)
             if tries is not None and states is not None:
                 logits = name_grammar(logits, tries, states, lines, stop)
-            elif grammar:
-                logits = line_grammar(logits, self.newlines, lines, open_line, stop, eos)
             token = sample_categorical(logits, temperature, rng)  # (B,)
             token = np.where(done, eos, token)
             for i in np.flatnonzero(~done) if tries is not None and states else ():
-                tries[i].advance(states[i], int(token[i]))
+                row_trie = tries[i]
+                if row_trie is not None:
+                    row_trie.advance(states[i], int(token[i]))
             tokens[:, step] = token
             known = np.minimum(token, len(self.newlines) - 1)  # (B,) ids past the vocab clamp
             lines += np.where(done, 0, self.newlines[known])

@@ -110,7 +110,7 @@ class NameTrie:
     def advance(self, state: RowState, token: int) -> None:
         """Move a row by one generated token (a line break returns it to the root)."""
         if token == self.newline:
-            if state.node != DEAD and state.node not in state.used:
+            if state.node != DEAD and self.terminal[state.node] and state.node not in state.used:
                 state.used.add(state.node)
                 for up in self._path(state.node):
                     state.used_below[up] = state.used_below.get(up, 0) + 1
@@ -132,18 +132,19 @@ class NameTrie:
         return state.node not in state.used or not self.children[state.node]
 
 
-def name_grammar(logits: np.ndarray, tries: Sequence[NameTrie], states: Sequence[RowState],
-                 lines: np.ndarray, stop: int) -> np.ndarray:
+def name_grammar(logits: np.ndarray, tries: Sequence[NameTrie | None],
+                 states: Sequence[RowState], lines: np.ndarray, stop: int) -> np.ndarray:
     """Logits (B, V) with every token that would leave the catalog's names at −inf (a copy).
 
     A row continues its name, or at a name's end breaks the line — <eos> instead on the last
     of `stop` lines. `tries` holds each row's tree (one shared tree, or each prompt's own
-    names); `lines` (B,) counts each row's line breaks. Dead rows are left as they are.
+    names; None for a prompt without any); `lines` (B,) counts each row's line breaks. Rows
+    without a tree and dead rows are left as they are.
     """
     masked = np.full(logits.shape, -np.inf, dtype=np.float32)  # (B, V)
     vocab = logits.shape[1]
     for i, (trie, state) in enumerate(zip(tries, states, strict=True)):
-        if state.node == DEAD:
+        if trie is None or state.node == DEAD:
             masked[i] = logits[i]
             continue
         allowed = trie.allowed(state)
@@ -165,19 +166,23 @@ class NameConstraint:
             raise ValueError(f"name scope must be one of {NAME_SCOPES}, got {scope!r}")
         self.tokenizer, self.eos, self.scope = tokenizer, int(eos), scope
         self.cache_size = cache_size
+        self.newline = NameTrie.from_tokenizer(tokenizer, (), eos).newline
         self.catalog = NameTrie.from_tokenizer(tokenizer, catalog_names, eos) \
             if scope == "catalog" else None
+        if self.catalog is not None and not self.catalog.children[ROOT]:
+            raise ValueError("catalog decoding needs the catalog's item names")
         self._cache: OrderedDict[tuple[str, ...], NameTrie] = OrderedDict()
 
-    def tries(self, prompts: Sequence[str]) -> list[NameTrie]:
-        """One tree per prompt; a "context" prompt without a catalog line is an error."""
+    def tries(self, prompts: Sequence[str]) -> list[NameTrie | None]:
+        """One tree per prompt; None for a "context" prompt that carries no names (it decodes
+        under the line grammar alone)."""
         if self.catalog is not None:
             return [self.catalog] * len(prompts)
         return [self._context(tuple(prompt_context(p))) for p in prompts]
 
-    def _context(self, names: tuple[str, ...]) -> NameTrie:
+    def _context(self, names: tuple[str, ...]) -> NameTrie | None:
         if not names:
-            raise ValueError("context decoding needs prompts with a catalog line (context > 0)")
+            return None
         trie = self._cache.get(names)
         if trie is None:
             trie = NameTrie.from_tokenizer(self.tokenizer, names, self.eos)

@@ -74,7 +74,8 @@ def keep_confident(rows: np.ndarray, items: np.ndarray, scores: np.ndarray,
 
 def diffusion(bundle: Bundle, k: int = 10, steps: int | None = None, solver: str | None = None,
               seed: int = 0, threads: int = 0) -> Method:
-    """Eval factory: generated rows (the probes) → k distinct nearest items, pooled 500 each."""
+    """Eval factory: generated rows (the probes) → k distinct nearest items; the rows share
+    one 5,000-item pool."""
     sampler = open_sampler(bundle, steps, solver, threads)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:

@@ -4,13 +4,14 @@
 - `folm`: the GRPO policy, one sample;
 - `best-of-5`: five warm-start samples, the best by composite reward.
 Samples are drawn at the temperature recorded in the exported `folm.json` (the one GRPO
-sampled at, 1.0): a policy this small decodes greedily into one line repeated, whatever its
-training, so greedy decoding would measure the decoder, not the policy. Seeds are fixed.
-Each sub-query is embedded and resolved like every other method (k distinct nearest items,
-500 candidates per sub-query for Recall@5K). An invalid slot (missing, empty, duplicate)
-falls back to the query embedding as its probe so k items are still returned, and is marked
-invalid so the reward scores it 0; a completion of more than k lines scores 0 in every slot,
-as in GRPO.
+sampled at, 1.0): decoded freely, a policy this small greedily repeats one line, so greedy
+decoding would measure the decoder, not the policy. Seeds are fixed. All three decode as the
+served policy does (`served_decoding`). Each sub-query is resolved like every other method's
+probes (a catalog name by lookup, other text embedded; k distinct nearest items, one pool of
+5,000 distinct items shared by the sub-queries for Recall@5K). An invalid slot (missing,
+empty, duplicate) falls back to the query embedding as its probe so k items are still
+returned, and is marked invalid so the reward scores it 0; a completion of more than k lines
+scores 0 in every slot, as in GRPO.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def served_decoding(bundle: Bundle, decoder: FanoutDecoder, decoding: str | None
     if decoding is not None:
         return decoding
     served = bundle.path / "folm" / FOLM_CONFIG
-    config = json.loads(served.read_text()) if served.is_file() else decoder.config
-    return str(config.get("decoding", "lines"))
+    config = json.loads(served.read_text()) if served.is_file() else {}
+    return str(config.get("decoding") or decoder.config.get("decoding", "lines"))
 
 
 class Decode:

@@ -18,7 +18,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from service.decoding import line_grammar, line_tables
-from service.trie import NAME_SCOPES, NameConstraint, NameTrie, name_grammar
+from service.trie import NAME_SCOPES, NameConstraint, NameTrie, RowState, name_grammar
 
 
 class LineGrammar(LogitsProcessor):
@@ -67,16 +67,17 @@ class NameGrammar(LogitsProcessor):
                  prompt_len: int) -> None:
         self.constraint, self.tokenizer, self.k = constraint, tokenizer, k
         self.eos, self.prompt_len = constraint.eos, prompt_len
-        self.tries: list[NameTrie] = []
+        self.tries: list[NameTrie | None] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if not self.tries:
             prompts = self.tokenizer.batch_decode(input_ids[:, : self.prompt_len],
                                                   skip_special_tokens=True)
             self.tries = self.constraint.tries(prompts)
-        newline = self.tries[0].newline
+        newline = self.constraint.newline
         rows = input_ids[:, self.prompt_len :].tolist()
-        states = [trie.replay(row) for trie, row in zip(self.tries, rows, strict=True)]
+        states = [trie.replay(row) if trie is not None else RowState()
+                  for trie, row in zip(self.tries, rows, strict=True)]
         lines = np.array([row.count(newline) for row in rows], dtype=np.int64)  # (B,)
         masked = name_grammar(scores.detach().float().cpu().numpy(), self.tries, states, lines,
                               self.k)  # (B, V)

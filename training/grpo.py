@@ -25,6 +25,7 @@ import numpy as np
 
 from service.bundle import Bundle, git_commit, load_bundle
 from service.encoder import Encoder
+from service.errors import InputError
 from service.fanout import ParsedFanout, PromptBuilder, item_name, parse_fanout
 from service.grounding import NameGrounding
 from service.index import search
@@ -185,6 +186,7 @@ def train_grpo(
     queries = queries if queries is not None else query_texts(bundle_dir, "train")
     meta = policy_meta(init)
     policy = meta.get("policy", {})
+    check_decoding(config.decoding, int(policy.get("context", 0)))
     model, tokenizer = load_policy(init)
     bundle = load_bundle(bundle_dir)
     scorer = FanoutScorer(bundle, Encoder(bundle.encoder_config), int(policy.get("k", 10)))
@@ -324,8 +326,16 @@ def collapse_signatures(
     }
 
 
+def check_decoding(decoding: str, context: int) -> None:
+    """`context` decoding writes the prompt's catalog names: a policy without any cannot."""
+    if decoding == "context" and context == 0:
+        raise InputError("--decoding context needs a policy with catalog names in its prompt "
+                         "(context > 0); use --decoding lines")
+
+
 def stock_line_share(subs: list[tuple[str, str]]) -> float:
-    """Share of the (query, line) pairs whose line the run writes for over 10% of its queries."""
+    """Share of the (query, line) pairs whose line the run writes for more than max(1, 10%) of
+    its distinct queries."""
     if not subs:
         return 0.0
     writers: dict[str, set[str]] = {}

@@ -1,7 +1,8 @@
 """Set-retrieval metrics of one query: recall/hit over a candidate pool, precision/coverage/Vendi
 over the k returned items.
 
-- recall@5k: share of the reference set inside the pool (500 candidates per slot × 10 slots);
+- recall@5k: share of the reference set inside the pool (5,000 distinct candidates; a
+  fan-out's probes share them, training.methods.fanout_output);
 - hit@5k: share of the reference groups with at least one member inside the pool;
 - precision@10: share of the returned items that are in the reference set;
 - coverage@10: share of the reference groups reached by the returned items;

@@ -107,6 +107,17 @@ def export_onnx(model: Any, path: Path) -> None:
     program.save(str(path))
 
 
+def trained_decoding(meta: dict[str, Any]) -> str:
+    """How a checkpoint's policy sampled: its GRPO config's `decoding`; the `grammar` flag of
+    runs older than the name decodings; else "context" when its prompts carry catalog names."""
+    config = meta.get("config", {})
+    if "decoding" in config:
+        return str(config["decoding"])
+    if "grammar" in config:
+        return "lines" if config["grammar"] else "free"
+    return "context" if int(meta.get("policy", {}).get("context", 0)) > 0 else "lines"
+
+
 def folm_config(model: Any, tokenizer: Any, meta: dict[str, Any]) -> dict[str, Any]:
     from training.policy import n_params
 
@@ -128,8 +139,7 @@ def folm_config(model: Any, tokenizer: Any, meta: dict[str, Any]) -> dict[str, A
         "temperature": float(meta.get("config", {}).get("temperature", 1.0)),
         # how its lines are decoded (service/trie.py): as GRPO sampled; a warm start with
         # catalog names in its prompt is decoded like the policy trained from it
-        "decoding": str(meta.get("config", {}).get(
-            "decoding", "context" if int(policy.get("context", 0)) > 0 else "lines")),
+        "decoding": trained_decoding(meta),
         "params": n_params(model),
     }
 

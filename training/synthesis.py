@@ -314,6 +314,7 @@ def synthesize(
 ) -> Path:
     """Run (or resume) stage 2 into `run_dir`; returns it."""
     from training.benchmark import query_texts, training_queries
+    from training.grpo import check_decoding
     from training.policy import policy_meta
 
     started = time.perf_counter()
@@ -332,6 +333,7 @@ def synthesize(
                for i in range(len(queries))]  # extra queries come after the train split's
     policy = policy_meta(checkpoint).get("policy", {})
     context = int(policy.get("context", 0))  # catalog names in each prompt, as trained
+    check_decoding(config.decoding, context)
     record = {"stage": "synthesis", "config": asdict(config), "checkpoint": str(checkpoint),
               "n_queries": len(queries), "context": context, "seed": config.seed,
               "git_commit": git_commit()}

@@ -76,8 +76,19 @@ def test_context_decoding_writes_distinct_names_of_its_own_prompt(
     free = decoder.generate(prompts, temperature=1.0, max_new_tokens=60, seed=2, max_lines=3)
     assert any(set(g.text.split("\n")) - set(prompt_context(p))
                for p, g in zip(prompts, free, strict=True))  # unconstrained, it strays
-    with pytest.raises(ValueError, match="catalog line"):
-        decoder.generate([build_prompt("camping")], names=constraint)
+    bare = decoder.generate([build_prompt("camping")] * 4, temperature=1.0, max_new_tokens=60,
+                            seed=3, max_lines=3, names=constraint)  # no names: lines only
+    assert all(len(g.text.split("\n")) == 3 and all(g.text.split("\n")) for g in bare
+               if g.n_tokens < 60)
+    mixed = decoder.generate([prompts[0], build_prompt("camping")], temperature=1.0,
+                             max_new_tokens=60, seed=2, max_lines=3, names=constraint)
+    assert sorted(mixed[0].text.split("\n")) == sorted(contexts[0])  # its row kept its tree
+
+
+def test_catalog_decoding_needs_the_names(exported: tuple[Path, Path]) -> None:  # noqa: F811
+    decoder = FanoutDecoder(exported[1], threads=1)
+    with pytest.raises(ValueError, match="item names"):
+        NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]), "catalog", [])
 
 
 def test_catalog_decoding_writes_item_names(exported: tuple[Path, Path]) -> None:  # noqa: F811

@@ -137,3 +137,13 @@ def test_cli_registration_shares_the_train_and_export_groups() -> None:
     assert args.func is policy_export.cmd_export
     args = parser.parse_args(["synthesize", "--samples", "4", "--keep-top-frac", "0.25"])
     assert args.samples == 4 and args.keep_top_frac == 0.25 and args.backend == "local"
+
+
+def test_context_decoding_needs_a_policy_with_catalog_names() -> None:
+    from service.errors import InputError
+    from training.grpo import check_decoding
+
+    with pytest.raises(InputError, match="context > 0"):
+        check_decoding("context", 0)
+    check_decoding("lines", 0)
+    check_decoding("context", 16)

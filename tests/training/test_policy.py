@@ -156,3 +156,13 @@ def test_export_commits_both_folders_and_methods_run(bundle: Path) -> None:
         assert out.probes.shape == (len(texts), 10, queries.shape[1])
         assert all(len(set(row.tolist())) == 10 for row in out.items)  # k distinct items
         assert all(len(pool) >= 10 for pool in out.pools)
+
+
+def test_export_records_how_the_policy_sampled() -> None:
+    from training.policy_export import trained_decoding
+
+    assert trained_decoding({"config": {"decoding": "catalog"}}) == "catalog"
+    assert trained_decoding({"config": {"grammar": True}}) == "lines"  # older GRPO runs
+    assert trained_decoding({"config": {"grammar": False}}) == "free"
+    assert trained_decoding({"config": {}, "policy": {"context": 16}}) == "context"
+    assert trained_decoding({"policy": {"context": 0}}) == "lines"
