@@ -24,7 +24,7 @@ from tqdm import tqdm
 from service.bundle import load_bundle
 from service.decoding import FanoutDecoder
 from service.encoder import Encoder
-from service.fanout import PromptBuilder, item_name, parse_fanout
+from service.fanout import PromptBuilder, item_names, parse_fanout
 from service.grounding import NameGrounding
 from service.paths import OnnxFanoutBackend
 from service.resolution import distinct_nearest
@@ -122,7 +122,7 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path)
     diffusion_batch(texts[:8], encoder, sampler, bundle, k)  # warm-up both paths
     builder = PromptBuilder(bundle.index, bundle.items.texts, int(decoder.config.get("context", 0)))
     decoding = str(decoder.config.get("decoding", "lines"))  # as served (folm.json)
-    names = [item_name(t) for t in bundle.items.texts] if decoding == "catalog" else []
+    names = item_names(bundle.items.texts) if decoding == "catalog" else []
     served = OnnxFanoutBackend(decoder, 0.0, int(decoder.config["max_new_tokens"]), 0, decoding,
                                names)
     grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)

@@ -51,6 +51,11 @@ def item_name(text: str) -> str:
     return head.split(",", 1)[0].strip()
 
 
+def item_names(texts: Sequence[str]) -> list[str]:
+    """Every item's name, row-aligned with `texts`."""
+    return [item_name(t) for t in texts]
+
+
 def context_names(
     index: Any, names: Sequence[str], query_emb: np.ndarray, n: int, exclude: Sequence[str] = ()
 ) -> list[list[str]]:
@@ -82,7 +87,7 @@ class PromptBuilder:
 
     def __init__(self, index: Any, item_texts: Sequence[str], n: int) -> None:
         self.index, self.n = index, int(n)
-        self.names = [item_name(t) for t in item_texts] if self.n > 0 else []
+        self.names = item_names(item_texts) if self.n > 0 else []
 
     def prompts(self, queries: Sequence[str], query_emb: np.ndarray) -> list[str]:
         contexts = context_names(self.index, self.names, query_emb, self.n, queries)

@@ -24,6 +24,7 @@ from service.errors import (
     R4TError,
     UnavailableError,
 )
+from service.fanout import item_names
 from service.index import set_threads
 from service.metrics import Metrics
 from service.openai_backend import OpenAICompletionBackend, OpenAIConfig
@@ -71,13 +72,6 @@ class Loaders:
     decoder: ComponentFactory = default_decoder
 
 
-def catalog_names(bundle: Bundle) -> list[str]:
-    """Every item's name: the tree of R4T_AR_DECODING=catalog."""
-    from service.fanout import item_name
-
-    return [item_name(t) for t in bundle.items.texts]
-
-
 def _ar_backend(
     settings: Settings, bundle: Bundle, loaders: Loaders
 ) -> tuple[FanoutBackend, int, int]:
@@ -86,9 +80,10 @@ def _ar_backend(
     if choice == "onnx" or (choice == "auto" and bundle.has(DECODER_FILE)):
         decoder = loaders.decoder(bundle.path / "folm", settings.provider_list, settings.threads)
         decoding = settings.ar_decoding or str(decoder.config.get("decoding", "lines"))
+        names = item_names(bundle.items.texts) if decoding == "catalog" else []
         backend = OnnxFanoutBackend(
             decoder, settings.ar_temperature, settings.ar_max_new_tokens, settings.seed,
-            decoding=decoding, catalog_names=catalog_names(bundle) if decoding == "catalog" else (),
+            decoding=decoding, catalog_names=names,
         )
         context = settings.ar_context
         if context is None:

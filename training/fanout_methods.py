@@ -24,7 +24,7 @@ import numpy as np
 from service.bundle import Bundle
 from service.decoding import FOLM_CONFIG, FanoutDecoder
 from service.encoder import Encoder
-from service.fanout import ParsedFanout, PromptBuilder, item_name, parse_fanout
+from service.fanout import ParsedFanout, PromptBuilder, item_names, parse_fanout
 from service.grounding import NameGrounding
 from service.reward import score_probes
 from service.trie import NAME_SCOPES, NameConstraint
@@ -59,7 +59,7 @@ class Decode:
 
     def __init__(self, bundle: Bundle, decoder: FanoutDecoder, decoding: str | None) -> None:
         self.decoder, self.decoding = decoder, served_decoding(bundle, decoder, decoding)
-        names = [item_name(t) for t in bundle.items.texts] if self.decoding == "catalog" else ()
+        names = item_names(bundle.items.texts) if self.decoding == "catalog" else ()
         self.names = NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]),
                                     self.decoding, names) if self.decoding in NAME_SCOPES else None
 

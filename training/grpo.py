@@ -26,7 +26,7 @@ import numpy as np
 from service.bundle import Bundle, git_commit, load_bundle
 from service.encoder import Encoder
 from service.errors import InputError
-from service.fanout import ParsedFanout, PromptBuilder, item_name, parse_fanout
+from service.fanout import ParsedFanout, PromptBuilder, item_name, item_names, parse_fanout
 from service.grounding import NameGrounding
 from service.index import search
 from service.reward import RewardTerms, RewardWeights, score_probes
@@ -203,7 +203,7 @@ def train_grpo(
                           processing_class=tokenizer)
     del model
     constrain_generation(trainer.model, tokenizer, scorer.k, config.decoding,
-                         [item_name(t) for t in bundle.items.texts])
+                         item_names(bundle.items.texts))
     trainer.train(resume_from_checkpoint=get_last_checkpoint(str(run_dir)))
     wall = time.perf_counter() - started
     history = trainer.state.log_history
@@ -364,7 +364,7 @@ def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int =
         prompts = scorer.prompts(queries, int(policy.get("context", 0)))
         completions = policy_fanouts(checkpoint, prompts, int(policy.get("max_new_tokens", 48)),
                                      decoding=decoding,
-                                     names=[item_name(t) for t in bundle.items.texts])
+                                     names=item_names(bundle.items.texts))
         report[name] = collapse_signatures(scorer, queries, completions)
     out = bundle_dir / "runs" / "ablation"
     out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from service.fanout import CONTEXT_SEPARATOR, build_prompt, format_fanout, item_name
+from service.fanout import CONTEXT_SEPARATOR, build_prompt, format_fanout, item_names
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
@@ -74,7 +74,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 def tokenizer_corpus(catalog_texts: list[str], queries: list[str]) -> list[str]:
     """What the tokenizer sees: catalog texts, prompts and fan-out/context-shaped name lists."""
-    names = [item_name(t) for t in catalog_texts]
+    names = item_names(catalog_texts)
     blocks = [names[i : i + 10] for i in range(0, len(names), 10)]
     prompts = [build_prompt(q, blocks[i % len(blocks)] if blocks else ()) for i, q in
                enumerate(queries)]

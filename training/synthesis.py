@@ -39,7 +39,7 @@ from tqdm import tqdm
 from service.bundle import git_commit, load_bundle
 from service.encoder import Encoder
 from service.errors import InputError
-from service.fanout import PromptBuilder, item_name, parse_fanout
+from service.fanout import PromptBuilder, item_names, parse_fanout
 from service.grounding import NameGrounding
 from service.index import search
 from service.reward import reward_terms
@@ -326,7 +326,7 @@ def synthesize(
     (run_dir / SHARDS).mkdir(parents=True, exist_ok=True)
     bundle = load_bundle(bundle_dir)
     if queries is None:
-        names = [item_name(t) for t in bundle.items.texts]
+        names = item_names(bundle.items.texts)
         queries = training_queries(bundle_dir, names, config.extra_queries, config.seed)
     n_train = len(query_texts(bundle_dir, "train"))
     samples = [config.samples_per_query if i < n_train else config.extra_samples
@@ -344,7 +344,7 @@ def synthesize(
     (run_dir / "queries.json").write_text(json.dumps(queries) + "\n")
     budget = config.max_new_tokens or int(policy.get("max_new_tokens", 48))
     prompts = PromptBuilder(bundle.index, bundle.items.texts, context).prompts(queries, query_emb)
-    catalog = [item_name(t) for t in bundle.items.texts] if config.decoding == "catalog" else None
+    catalog = item_names(bundle.items.texts) if config.decoding == "catalog" else None
     ctx = {"sampler": make_sampler(config, checkpoint, run_dir, catalog),
            "cache": ResolutionCache(bundle, encoder), "queries": queries, "prompts": prompts,
            "query_emb": query_emb, "max_new_tokens": budget, "dim": encoder.dim,

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from service.bundle import git_commit, load_bundle
 from service.encoder import Encoder
-from service.fanout import build_prompt, context_names, format_fanout, item_name
+from service.fanout import build_prompt, context_names, format_fanout, item_names
 from service.index import search
 from training.benchmark import query_texts, training_queries
 from training.policy import (
@@ -177,7 +177,7 @@ def warm_start(
     torch.set_num_threads(config.threads)
     policy_config: PolicyConfig = POLICY_PRESETS[config.preset]
     bundle = load_bundle(bundle_dir)
-    names = [item_name(t) for t in bundle.items.texts]
+    names = item_names(bundle.items.texts)
     queries = training_queries(bundle_dir, names, config.extra_queries, config.seed)
     train_texts = query_texts(bundle_dir, "train")
     raw_tok = train_tokenizer(tokenizer_corpus(bundle.items.texts, train_texts),
