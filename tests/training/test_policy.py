@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.fanout import build_prompt
+from service.fanout import build_prompt, item_name
 from training.benchmark import query_texts, training_queries
 from training.pipeline import CatalogConfig, build_catalog
 from training.policy import (
@@ -17,7 +17,6 @@ from training.policy import (
     EOS,
     POLICY_PRESETS,
     build_model,
-    item_name,
     load_policy,
     n_params,
     policy_meta,
