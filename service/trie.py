@@ -32,6 +32,14 @@ ROOT = 0
 DEAD = -1  # a row whose tokens left the tree (only rows decoded without the mask)
 
 
+def newline_id(tokenizer: Any) -> int:
+    """The one token id a `tokenizers.Tokenizer` writes a line break as."""
+    ids = tokenizer.encode("\n", add_special_tokens=False).ids
+    if len(ids) != 1:
+        raise ValueError(f"the tokenizer writes a line break as {len(ids)} tokens")
+    return int(ids[0])
+
+
 @dataclass
 class RowState:
     """Where one row stands: its tree node, the names it has written and how many lie below
@@ -86,10 +94,7 @@ class NameTrie:
         """A `tokenizers.Tokenizer`'s ids of each distinct name, without special tokens."""
         distinct = sorted({" ".join(n.split()) for n in names} - {""})
         encoded = tokenizer.encode_batch(distinct, add_special_tokens=False)
-        newline = tokenizer.encode("\n", add_special_tokens=False).ids
-        if len(newline) != 1:
-            raise ValueError(f"the tokenizer writes a line break as {len(newline)} tokens")
-        return cls((e.ids for e in encoded), newline[0], eos)
+        return cls((e.ids for e in encoded), newline_id(tokenizer), eos)
 
     def __len__(self) -> int:
         return len(self.children)
@@ -166,7 +171,7 @@ class NameConstraint:
             raise ValueError(f"name scope must be one of {NAME_SCOPES}, got {scope!r}")
         self.tokenizer, self.eos, self.scope = tokenizer, int(eos), scope
         self.cache_size = cache_size
-        self.newline = NameTrie.from_tokenizer(tokenizer, (), eos).newline
+        self.newline = newline_id(tokenizer)
         self.catalog = NameTrie.from_tokenizer(tokenizer, catalog_names, eos) \
             if scope == "catalog" else None
         if self.catalog is not None and not self.catalog.children[ROOT]:
