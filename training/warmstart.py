@@ -2,8 +2,9 @@
 
 Phase 1, language modelling on the catalog's texts. Phase 2, supervised fan-outs: for each
 training query, the prompt carries the names of its `context` nearest catalog items
-(service/fanout.py) and the target is k of those names sampled at random, in similarity order
-(topped up from the wider neighbourhood when the context holds fewer than k).
+(service/fanout.py) and the target is k of those names sampled without replacement, nearer
+names more often (weights exp(−rank/τ)), written in similarity order (topped up from the wider
+neighbourhood when the context holds fewer than k).
 With no context (policy `context` = 0) the target is sampled from the top `pool` neighbours
 instead. The targets use only catalog texts and embeddings — never the evaluation hierarchy —
 so the warm start plays the role of the paper's zero-shot baselines: well-formed fan-outs close
@@ -58,6 +59,9 @@ class WarmStartConfig:
     pool: int = 40  # neighbours targets are sampled from when the policy has no context
     extra_queries: int = 4000
     ranked: bool = True  # sampled names keep their similarity order (else shuffled)
+    # τ of the rank weights exp(−rank/τ); 0 = uniform. τ=2 chosen on val over τ ∈ {0, 2, 4, 6,
+    # 10, uniform} for the selection itself: coverage@10 0.181 vs uniform's 0.164, recall level
+    rank_decay: float = 2.0
     encoder_init: bool = True  # token embeddings start at the retrieval encoder's vectors
     seed: int = 0
     threads: int = 2  # with the context prompt, 2 threads run an SFT step 1.75x faster than 1
@@ -94,16 +98,28 @@ def target_pool(context: list[str], wider: list[str], k: int) -> list[str]:
     return [*context, *[w for w in wider if w.lower() not in listed]][: max(k, len(context))]
 
 
+def rank_weights(n: int, decay: float) -> np.ndarray | None:
+    """(n,) draw probabilities ∝ exp(−rank/decay) for names listed nearest first; None = uniform."""
+    if decay <= 0:
+        return None
+    w = np.exp(-np.arange(n) / decay)  # (n,)
+    return w / w.sum()
+
+
 def sample_target(
-    candidates: list[str], k: int, rng: np.random.Generator, ranked: bool = True
+    candidates: list[str], k: int, rng: np.random.Generator, ranked: bool = True,
+    decay: float = 0.0,
 ) -> str:
     """k distinct names drawn without replacement (fewer only if the pool has fewer).
 
-    `ranked` keeps them in similarity order (nearest first), which ties each line to the
-    query far more predictably than a shuffled order; shuffled targets train a policy whose
-    greedy lines ignore the query.
+    `decay` > 0 draws nearer names more often (successive draws ∝ exp(−rank/decay)): a uniform
+    draw of 10 of the 16 context names reaches fewer of a query's branches than the nearest
+    ones do (val coverage@10 0.164 vs 0.181 at τ=2). `ranked` keeps them in similarity order
+    (nearest first), which ties each line to the query far more predictably than a shuffled
+    order; shuffled targets train a policy whose greedy lines ignore the query.
     """
-    picked = rng.choice(len(candidates), size=min(k, len(candidates)), replace=False)
+    n = len(candidates)
+    picked = rng.choice(n, size=min(k, n), replace=False, p=rank_weights(n, decay))
     order = np.sort(picked) if ranked else picked
     return format_fanout([candidates[i] for i in order])
 
@@ -208,8 +224,8 @@ def warm_start(
     def make_sft() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         picks = rng.integers(0, len(queries), size=config.batch_size)
         prompts = [build_prompt(queries[i], contexts[i]) for i in picks]
-        targets = [sample_target(neighbours[i], policy_config.k, rng, config.ranked)
-                   for i in picks]
+        targets = [sample_target(neighbours[i], policy_config.k, rng, config.ranked,
+                                 config.rank_decay) for i in picks]
         return sft_batch(tokenizer, prompts, targets)
 
     lm_losses = run_phase(model, config.lm_steps, config.lr, make_lm, "warm start: LM")

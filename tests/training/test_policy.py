@@ -24,6 +24,7 @@ from training.policy import (
 )
 from training.warmstart import (
     WARMSTART_PRESETS,
+    rank_weights,
     sample_target,
     target_pool,
     warm_start,
@@ -107,6 +108,21 @@ def test_warm_start_targets_come_from_the_context_in_its_order() -> None:
         assert lines == sorted(lines, key=context.index)  # similarity order kept
     short = target_pool(["a", "b"], ["B", "c", "d", "a", "e"], 4)
     assert short == ["a", "b", "c", "d"]  # topped up to k, no repeats (case-insensitive)
+
+
+def test_rank_decay_draws_nearer_names_more_often() -> None:
+    context = [f"name {i}" for i in range(16)]
+
+    def share_of_nearest_ten(decay: float) -> float:
+        rng = np.random.default_rng(0)
+        draws = [sample_target(context, 10, rng, decay=decay).split("\n") for _ in range(200)]
+        return float(np.mean([sum(line in context[:10] for line in d) / 10 for d in draws]))
+
+    uniform, biased = share_of_nearest_ten(0.0), share_of_nearest_ten(2.0)
+    assert abs(uniform - 10 / 16) < 0.05  # a uniform draw of 10 of 16
+    assert biased > uniform + 0.2
+    assert rank_weights(4, 0.0) is None
+    assert np.all(np.diff(rank_weights(4, 2.0)) < 0)
 
 
 def test_training_queries_exclude_val_and_test(bundle: Path) -> None:
