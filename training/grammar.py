@@ -61,26 +61,38 @@ class NameGrammar(LogitsProcessor):
     """Every completion line one name of its prompt's tree; <eos> forced after k lines.
 
     The trees come from the prompts the first call sees (after `generate` has expanded them
-    for `num_return_sequences`)."""
+    for `num_return_sequences`); one instance serves one batch, its calls in order."""
 
     def __init__(self, constraint: NameConstraint, tokenizer: Any, k: int,
                  prompt_len: int) -> None:
         self.constraint, self.tokenizer, self.k = constraint, tokenizer, k
         self.eos, self.prompt_len = constraint.eos, prompt_len
         self.tries: list[NameTrie | None] = []
+        self.states: list[RowState] = []
+        self.lines = np.zeros(0, dtype=np.int64)  # (B,) line breaks so far
+        self.seen = 0  # completion tokens already replayed into `states`
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def _catch_up(self, input_ids: torch.LongTensor) -> None:
+        """Advance each row's state over the tokens added since the last call (one per step
+        in `generate`), so a completion is replayed once, not once per step."""
         if not self.tries:
             prompts = self.tokenizer.batch_decode(input_ids[:, : self.prompt_len],
                                                   skip_special_tokens=True)
             self.tries = self.constraint.tries(prompts)
-        newline = self.constraint.newline
-        rows = input_ids[:, self.prompt_len :].tolist()
-        states = [trie.replay(row) if trie is not None else RowState()
-                  for trie, row in zip(self.tries, rows, strict=True)]
-        lines = np.array([row.count(newline) for row in rows], dtype=np.int64)  # (B,)
-        masked = name_grammar(scores.detach().float().cpu().numpy(), self.tries, states, lines,
-                              self.k)  # (B, V)
+            self.states = [RowState() for _ in self.tries]
+            self.lines = np.zeros(len(self.tries), dtype=np.int64)
+        new = input_ids[:, self.prompt_len + self.seen :].tolist()  # (B, new tokens)
+        for trie, state, tokens in zip(self.tries, self.states, new, strict=True):
+            for token in (tokens if trie is not None else ()):
+                trie.advance(state, token)
+        self.lines += np.array([row.count(self.constraint.newline) for row in new], np.int64)
+        self.seen = input_ids.shape[1] - self.prompt_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._catch_up(input_ids)
+        lines = self.lines
+        masked = name_grammar(scores.detach().float().cpu().numpy(), self.tries, self.states,
+                              lines, self.k)  # (B, V)
         scores = torch.from_numpy(masked).to(scores.device, scores.dtype)
         done = torch.from_numpy(lines >= self.k)  # (B,) the k-th line break is the end
         scores[done] = -float("inf")
@@ -88,28 +100,57 @@ class NameGrammar(LogitsProcessor):
         return scores
 
 
+class Grammar:
+    """The served decoding's logits processor for each batch, and the tokens it allows.
+
+    decoding: "lines" (`LineGrammar`), "context" or "catalog" (`NameGrammar`), "free" (none).
+    """
+
+    def __init__(self, tokenizer: Any, k: int, decoding: str = "lines",
+                 catalog_names: Any = ()) -> None:
+        self.tokenizer, self.k, self.decoding = tokenizer, k, decoding
+        self.lines = LineGrammar.for_tokenizer(tokenizer, k, 0)
+        self.names = NameConstraint(tokenizer.backend_tokenizer, int(tokenizer.eos_token_id),
+                                    decoding, catalog_names) if decoding in NAME_SCOPES else None
+
+    def processor(self, prompt_len: int) -> LogitsProcessor | None:
+        """A fresh processor for one `generate` call whose prompts are `prompt_len` wide."""
+        if self.decoding == "free":
+            return None
+        if self.names is not None:
+            return NameGrammar(self.names, self.tokenizer, self.k, prompt_len)
+        base = self.lines
+        return LineGrammar(base.table, base.opens_line.numpy(), base.eos, self.k, prompt_len)
+
+    def allowed(self, input_ids: torch.Tensor, completion_len: int) -> torch.Tensor | None:
+        """(B, T, V) bool: the tokens the grammar allowed at each of the last T positions of
+        `input_ids` (B, P + T), replayed as `generate` saw them; None when decoding is free."""
+        prompt_len = input_ids.shape[1] - completion_len
+        grammar = self.processor(prompt_len)
+        if grammar is None:
+            return None
+        vocab = len(self.tokenizer)
+        zeros = torch.zeros((input_ids.shape[0], vocab))  # (B, V)
+        steps = [torch.isfinite(grammar(input_ids[:, : prompt_len + t], zeros.clone()))
+                 for t in range(completion_len)]  # T × (B, V)
+        return torch.stack(steps, dim=1)  # (B, T, V)
+
+
 def constrain_generation(
     model: Any, tokenizer: Any, k: int, decoding: str = "lines", catalog_names: Any = (),
-) -> Any:
-    """Make `model.generate` decode as served (TRL offers no logits-processor hook).
-
-    decoding: "lines" (`LineGrammar`), "context" or "catalog" (`NameGrammar`), "free" (as is).
-    """
+) -> Grammar:
+    """Make `model.generate` decode as served (TRL offers no logits-processor hook); returns
+    the grammar, whose `allowed` masks let training score completions as they were sampled."""
+    grammar = Grammar(tokenizer, k, decoding, catalog_names)
     if decoding == "free":
-        return model
+        return grammar
     original = model.generate
-    base = LineGrammar.for_tokenizer(tokenizer, k, 0)
-    names = NameConstraint(tokenizer.backend_tokenizer, int(tokenizer.eos_token_id), decoding,
-                           catalog_names) if decoding in NAME_SCOPES else None
 
     def generate(*args: Any, **kwargs: Any) -> Any:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        width = int(ids.shape[1])
-        grammar: LogitsProcessor = NameGrammar(names, tokenizer, k, width) if names else \
-            LineGrammar(base.table, base.opens_line.numpy(), base.eos, k, width)
         kwargs["logits_processor"] = LogitsProcessorList(
-            [grammar, *(kwargs.get("logits_processor") or [])])
+            [grammar.processor(int(ids.shape[1])), *(kwargs.get("logits_processor") or [])])
         return original(*args, **kwargs)
 
     model.generate = generate
-    return model
+    return grammar

@@ -5,6 +5,8 @@ and alignment, weighted 0.6/0.2/0.2 (paper §2.2); GRPO normalises the weighted 
 each group of 8 completions. KL: TRL's per-token k3 estimator of the reverse KL(π‖π_ref),
 exp(r) − r − 1 with r = log π_ref − log π, added to the loss with weight `beta` against the
 frozen warm-start policy (the paper's Soft-GRPO used forward and reverse KL; we use reverse).
+Both log-probabilities are taken over the tokens the decoding grammar allowed, the distribution
+the policy sampled from (training/grpo_trainer.py).
 Ablations: `--reward ground`, `ground+align` or `all` (the default) select which terms count.
 
 Run directory `models/<bundle>/runs/folm-<reward>/`: config.json, checkpoint-*/ (resumable),
@@ -173,10 +175,10 @@ def train_grpo(
     import torch
     from datasets import Dataset
     from transformers.trainer_utils import get_last_checkpoint
-    from trl import GRPOTrainer
 
     from training.benchmark import query_texts
     from training.grammar import constrain_generation
+    from training.grpo_trainer import MaskedGRPOTrainer
     from training.policy import load_policy, policy_meta, save_policy
 
     started = time.perf_counter()
@@ -192,18 +194,20 @@ def train_grpo(
     scorer = FanoutScorer(bundle, Encoder(bundle.encoder_config), int(policy.get("k", 10)))
     funcs, weights = reward_functions(scorer, config.reward)
     record = {"stage": "grpo", "config": asdict(config), "init": str(init), "policy": policy,
-              "n_training_queries": len(queries), "kl": "k3 estimator of reverse KL, TRL",
+              "n_training_queries": len(queries),
+              "kl": "k3 estimator of reverse KL (TRL), log-probs under the decoding's mask",
               "reward_terms": dict(zip(REWARD_MODES[config.reward], weights, strict=True)),
               "seed": config.seed, "git_commit": git_commit()}
     (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
     prompts = scorer.prompts(queries, int(policy.get("context", 0)))
     data = Dataset.from_dict({"prompt": prompts, "query": queries})
     args = trl_config(config, run_dir, int(policy.get("max_new_tokens", 48)), weights)
-    trainer = GRPOTrainer(model=str(init), reward_funcs=funcs, args=args, train_dataset=data,
-                          processing_class=tokenizer)
+    names = item_names(bundle.items.texts) if config.decoding == "catalog" else ()
+    trainer = MaskedGRPOTrainer(model=str(init), reward_funcs=funcs, args=args,
+                                train_dataset=data, processing_class=tokenizer)
     del model
-    constrain_generation(trainer.model, tokenizer, scorer.k, config.decoding,
-                         item_names(bundle.items.texts))
+    trainer.grammar = constrain_generation(trainer.model, tokenizer, scorer.k, config.decoding,
+                                           names)
     trainer.train(resume_from_checkpoint=get_last_checkpoint(str(run_dir)))
     wall = time.perf_counter() - started
     history = trainer.state.log_history

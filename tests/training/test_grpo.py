@@ -68,9 +68,21 @@ def test_ablation_modes_pick_terms_and_weights(scorer: FanoutScorer) -> None:
         assert len(weights) == len(names) and weights[0] == 0.6
 
 
-def test_one_grpo_step_changes_the_weights(setup: tuple[Path, Path], tmp_path: Path) -> None:
+def test_one_grpo_step_changes_the_weights(
+    setup: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import training.grpo_trainer as masked
+
     bundle, init = setup
     torch.set_num_threads(1)
+    calls: list[tuple[int, ...]] = []
+    scored = masked.masked_log_probs
+
+    def spy(logits: torch.Tensor, tokens: torch.Tensor, allowed: torch.Tensor):
+        calls.append(tuple(tokens.shape))
+        return scored(logits, tokens, allowed)
+
+    monkeypatch.setattr(masked, "masked_log_probs", spy)
     before = {k: v.clone() for k, v in load_policy(init)[0].state_dict().items()}
     config = resolve_config("tiny")
     assert config.steps == 1 == GRPO_PRESETS["tiny"].steps
@@ -78,6 +90,7 @@ def test_one_grpo_step_changes_the_weights(setup: tuple[Path, Path], tmp_path: P
     after = load_policy(final)[0].state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert changed, "GRPO step left every weight unchanged"
+    assert calls, "GRPO scored its completions without the decoding mask"
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     assert record["config"]["reward"] == "all" and record["ledger"]["steps"] == 1
     curves = json.loads((tmp_path / "run" / "curves.json").read_text())

@@ -1,0 +1,77 @@
+"""GRPO's log-probabilities under the decoding grammar (training/grpo_trainer.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.fanout import build_prompt
+from tests.training.test_policy import make_tiny_bundle, make_tiny_policy
+from training.grammar import constrain_generation
+from training.grpo_trainer import masked_log_probs
+from training.policy import load_policy
+
+K = 10
+
+
+def test_masked_log_probs_renormalise_over_the_allowed_tokens() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 7, generator=gen)  # (B, T, V)
+    allowed = torch.rand(2, 3, 7, generator=gen) > 0.5
+    allowed[0, 0] = False
+    allowed[0, 0, 4] = True  # a forced token
+    tokens = torch.tensor([[4, 1, 2], [3, 5, 6]])
+    for b in range(2):
+        for t in range(3):
+            allowed[b, t, tokens[b, t]] = True
+    allowed[1, 2, tokens[1, 2]] = False  # e.g. padding after <eos>: scored unmasked
+    logps, entropies = masked_log_probs(logits, tokens, allowed)
+    for b in range(2):
+        for t in range(3):
+            tok = int(tokens[b, t])
+            support = logits[b, t][allowed[b, t]] if allowed[b, t, tok] else logits[b, t]
+            expected = logits[b, t, tok] - torch.logsumexp(support, dim=0)
+            assert torch.isclose(logps[b, t], expected, atol=1e-5)
+    assert torch.isclose(logps[0, 0], torch.tensor(0.0)) and entropies[0, 0] == 0
+    assert (logps <= 0).all() and (entropies >= 0).all() and torch.isfinite(entropies).all()
+    plain = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    assert (logps >= plain - 1e-6).all()  # a subset's share is never smaller
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_policy(make_tiny_bundle(tmp_path_factory.mktemp("masked")))
+
+
+def test_grammar_allows_every_token_it_sampled(policy: Path) -> None:
+    """Replayed on the finished completions, the mask allowed each sampled token, and after
+    the k-th line only <eos>."""
+    model, tokenizer = load_policy(policy)
+    names = ["tent", "boat", "tree", "stove", "lamp", "sleeping bag", "compass", "tarp",
+             "hammock", "canteen", "lantern", "backpack"]
+    grammar = constrain_generation(model, tokenizer, K, "context")
+    enc = tokenizer([build_prompt("camping", names)], return_tensors="pt")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=80,
+                             num_return_sequences=4, pad_token_id=tokenizer.pad_token_id)
+    width = out.shape[1] - enc["input_ids"].shape[1]
+    allowed = grammar.allowed(out, width)  # (B, T, V)
+    assert allowed.shape == (4, width, len(tokenizer))
+    completion = out[:, -width:]  # (B, T)
+    newline = grammar.names.newline
+    assert 1 <= int(allowed[0, 0].sum()) <= len(names)  # a line opens with a name's first token
+    finished = 0
+    for b in range(4):
+        ends = (completion[b] == tokenizer.eos_token_id).nonzero()
+        stop = int(ends[0]) + 1 if len(ends) else width  # through the first <eos>
+        finished += len(ends) > 0
+        assert all(allowed[b, t, completion[b, t]] for t in range(stop))
+        breaks = (completion[b, :stop] == newline).nonzero()[:, 0]
+        assert len(breaks) in (K - 1, K)  # the k-th name ends in a break or in <eos>
+        if len(breaks) == K:  # after the k-th break only <eos>
+            assert allowed[b, int(breaks[-1]) + 1].sum() == 1
+            assert allowed[b, int(breaks[-1]) + 1, tokenizer.eos_token_id]
+    assert finished == 4  # the grammar ends every row within the budget
