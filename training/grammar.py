@@ -109,7 +109,7 @@ class Grammar:
     def __init__(self, tokenizer: Any, k: int, decoding: str = "lines",
                  catalog_names: Any = ()) -> None:
         self.tokenizer, self.k, self.decoding = tokenizer, k, decoding
-        self.lines = LineGrammar.for_tokenizer(tokenizer, k, 0)
+        self.lines = LineGrammar.for_tokenizer(tokenizer, k, 0) if decoding == "lines" else None
         self.names = NameConstraint(tokenizer.backend_tokenizer, int(tokenizer.eos_token_id),
                                     decoding, catalog_names) if decoding in NAME_SCOPES else None
 
@@ -120,6 +120,7 @@ class Grammar:
         if self.names is not None:
             return NameGrammar(self.names, self.tokenizer, self.k, prompt_len)
         base = self.lines
+        assert base is not None  # "lines" decoding
         return LineGrammar(base.table, base.opens_line.numpy(), base.eos, self.k, prompt_len)
 
     def allowed(self, input_ids: torch.Tensor, completion_len: int) -> torch.Tensor | None:

@@ -78,8 +78,10 @@ def test_one_grpo_step_changes_the_weights(
     calls: list[tuple[int, ...]] = []
     scored = masked.masked_log_probs
 
-    def spy(logits: torch.Tensor, tokens: torch.Tensor, allowed: torch.Tensor):
-        calls.append(tuple(tokens.shape))
+    def spy(
+        logits: torch.Tensor, tokens: torch.Tensor, allowed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append((tuple(logits.shape[:2]), tuple(tokens.shape), tuple(allowed.shape[:2])))
         return scored(logits, tokens, allowed)
 
     monkeypatch.setattr(masked, "masked_log_probs", spy)
@@ -90,7 +92,9 @@ def test_one_grpo_step_changes_the_weights(
     after = load_policy(final)[0].state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert changed, "GRPO step left every weight unchanged"
-    assert calls, "GRPO scored its completions without the decoding mask"
+    # beta > 0: the reference's pass and the policy's, every position of every completion
+    assert len(calls) >= 2, "GRPO scored its completions without the decoding mask"
+    assert all(a == b == c for a, b, c in calls)
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     assert record["config"]["reward"] == "all" and record["ledger"]["steps"] == 1
     curves = json.loads((tmp_path / "run" / "curves.json").read_text())

@@ -10,7 +10,7 @@ import torch
 from service.fanout import build_prompt
 from tests.training.test_policy import make_tiny_bundle, make_tiny_policy
 from training.grammar import constrain_generation
-from training.grpo_trainer import masked_log_probs
+from training.grpo_trainer import completion_log_probs, fit_vocab, masked_log_probs
 from training.policy import load_policy
 
 K = 10
@@ -38,11 +38,53 @@ def test_masked_log_probs_renormalise_over_the_allowed_tokens() -> None:
     assert (logps <= 0).all() and (entropies >= 0).all() and torch.isfinite(entropies).all()
     plain = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
     assert (logps >= plain - 1e-6).all()  # a subset's share is never smaller
+    weights = logits.clone().requires_grad_(True)
+    lp, ent = masked_log_probs(weights, tokens, allowed)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(weights.grad).all()
+    inside = allowed.gather(-1, tokens[..., None])  # (B, T, 1) rows scored under the mask
+    assert (weights.grad[~allowed & inside] == 0).all()  # no gradient leaks to masked tokens
+    assert (weights.grad[1, 2] != 0).all()  # the unmasked row (padding) spreads over all
+
+
+def test_fit_vocab_cuts_or_pads_with_disallowed_ids() -> None:
+    allowed = torch.ones(1, 2, 5, dtype=torch.bool)
+    assert fit_vocab(allowed, 3).shape == (1, 2, 3)
+    padded = fit_vocab(allowed, 7)
+    assert padded.shape == (1, 2, 7) and not padded[..., 5:].any() and padded[..., :5].all()
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_policy(make_tiny_bundle(tmp_path_factory.mktemp("masked")))
+
+
+def test_unmasked_scoring_matches_trls_fused_head(policy: Path) -> None:
+    """With every token allowed, our scoring is TRL's: same positions, temperature, padding."""
+    import copy
+
+    from trl.trainer.utils import add_fused_lm_head
+
+    model, tokenizer = load_policy(policy)
+    enc = tokenizer([build_prompt("camping", ["tent", "boat", "lamp"])], return_tensors="pt")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, max_new_tokens=12, num_return_sequences=3,
+                             pad_token_id=tokenizer.pad_token_id)
+    width = out.shape[1] - enc["input_ids"].shape[1]
+    mask = torch.ones_like(out)  # (B, P + T)
+    mask[0, -width // 2 :] = 0  # a row padded after an early <eos>
+    fused = copy.deepcopy(model)
+    add_fused_lm_head(fused, temperature=0.7, outputs=("log_probs", "entropy"))
+    labels = out.masked_fill(mask == 0, -100)
+    labels[:, :-width] = -100
+    with torch.no_grad():
+        ref = fused(input_ids=out, attention_mask=mask, labels=labels, fused_lm_head=True)
+        allowed = torch.ones(out.shape[0], width, len(tokenizer), dtype=torch.bool)
+        logps, entropies = completion_log_probs(model, out, mask, allowed, 0.7, batch_size=2)
+    assert torch.allclose(logps, ref.log_probs[:, -width:], atol=1e-5)
+    assert torch.allclose(entropies, ref.entropy[:, -width:], atol=1e-4)
+    assert (logps[0, -width // 2 :] == 0).all() and (logps[1] < 0).all()
 
 
 def test_grammar_allows_every_token_it_sampled(policy: Path) -> None:
