@@ -75,7 +75,7 @@ def test_one_grpo_step_changes_the_weights(
 
     bundle, init = setup
     torch.set_num_threads(1)
-    calls: list[tuple[int, ...]] = []
+    calls: list[tuple[tuple[int, ...], ...]] = []
     scored = masked.masked_log_probs
 
     def spy(
