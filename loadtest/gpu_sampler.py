@@ -30,13 +30,17 @@ def seconds_per_batch(model: SetDenoiser, batch: int, steps: int, cfg: float,
     query = torch.randn(batch, model.config.dim, device=device)  # (B, d)
     query = torch.nn.functional.normalize(query, dim=-1)
     noise = torch.randn(batch, model.config.rows, model.config.dim, device=device)  # (B, L, d)
+    context = None  # random unit neighbours: their values do not change the cost
+    if model.config.context:
+        context = torch.randn(batch, model.config.context, model.config.dim, device=device)
+        context = torch.nn.functional.normalize(context, dim=-1)  # (B, C, d)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(repeats + 1):  # the first run is a warm-up
         sync()
         started = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            euler_pf_ode(model, query, steps, cfg, noise=noise)
+            euler_pf_ode(model, query, steps, cfg, noise=noise, context=context)
         sync()
         times.append(time.perf_counter() - started)
     return min(times[1:])

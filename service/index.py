@@ -55,6 +55,32 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
     return scores, rows.astype(np.int64, copy=False)
 
 
+def neighbour_rows(index: faiss.Index, queries: np.ndarray, n: int) -> np.ndarray:
+    """(Q, n) catalog rows of each query's n nearest items, best first.
+
+    Where the index finds fewer than n (a catalog smaller than n, or an approximate index),
+    the found rows repeat in order, so the shape is always (Q, n): the diffusion model's
+    context (training.denoiser, `context`) has a fixed size.
+    """
+    if len(queries) == 0:
+        return np.zeros((0, n), dtype=np.int64)
+    _, found = search(index, queries, n)  # (Q, ≤ n), -1 where fewer exist
+    out = np.empty((len(found), n), dtype=np.int64)
+    for i, row in enumerate(found):
+        valid = row[row >= 0]
+        if len(valid) == 0:
+            raise ValueError(f"the index found no neighbours for query {i}")
+        out[i] = np.resize(valid, n)  # (n,): the found rows, cycled
+    return out
+
+
+def neighbourhood(index: faiss.Index, embeddings: np.ndarray, queries: np.ndarray,
+                  n: int) -> np.ndarray:
+    """(Q, n, d) embeddings of each query's n nearest catalog items, best first."""
+    rows = neighbour_rows(index, queries, n)  # (Q, n)
+    return np.ascontiguousarray(embeddings[rows], dtype=np.float32)
+
+
 def set_threads(n: int) -> None:
     """Cap FAISS's OpenMP threads (the service shares two cores with ONNX Runtime)."""
     faiss.omp_set_num_threads(max(1, n))

@@ -1,8 +1,9 @@
 """The two retrieval paths. Each takes a batch of queries and returns, per query, k distinct
 items, the content-side groundedness of its probes and the batch's per-stage timings.
 
-- diffusion: encode → the exported sampler (whole solver loop in ONNX Runtime) → nearest
-  item per generated row → deduplicate (next-best neighbour on collisions);
+- diffusion: encode → [the query's nearest items, when the denoiser attends to them] → the
+  exported sampler (whole solver loop in ONNX Runtime) → nearest item per generated row →
+  deduplicate (next-best neighbour on collisions);
 - autoregressive: encode → the query's nearest catalog names (the prompt's context) → the
   fan-out model (ONNX decoder with a KV cache, or an OpenAI-compatible endpoint) → parse
   sub-queries → encode → nearest item per sub-query → deduplicate. A
@@ -25,6 +26,7 @@ from service.encoder import Encoder, normalize
 from service.errors import BundleError
 from service.fanout import PromptBuilder, parse_fanout
 from service.grounding import NameGrounding
+from service.index import neighbourhood
 from service.selection import Selection, select_items
 from service.trie import DECODINGS, NAME_SCOPES, NameConstraint
 
@@ -62,7 +64,9 @@ class Sampler(Protocol):
     providers: list[str]
     config: dict
 
-    def sample(self, query_emb: np.ndarray, seed: int | None = None) -> np.ndarray: ...
+    def sample(self, query_emb: np.ndarray, seed: int | None = None,
+               noise: np.ndarray | None = None,
+               context: np.ndarray | None = None) -> np.ndarray: ...
 
 
 class FanoutBackend(Protocol):
@@ -122,7 +126,13 @@ class DiffusionPath:
         clock = StageClock()
         queries = self.encoder.encode([q.text for q in batch])  # (B, d)
         clock.lap("encode")
-        rows = np.asarray(self.sampler.sample(queries, seed=self.seed), dtype=np.float32)
+        extra: dict[str, np.ndarray] = {}
+        n_context = int(self.sampler.config.get("context", 0))
+        if n_context:  # the query's nearest items, which the denoiser attends to
+            extra["context"] = neighbourhood(self.bundle.index, self.bundle.items.embeddings,
+                                             queries, n_context)  # (B, C, d)
+            clock.lap("search")
+        rows = np.asarray(self.sampler.sample(queries, seed=self.seed, **extra), dtype=np.float32)
         if rows.ndim != 3 or rows.shape[0] != len(batch) or rows.shape[2] != queries.shape[1]:
             raise RuntimeError(f"sampler returned shape {rows.shape}, expected (B, L, d)")
         if not np.isfinite(rows).all():

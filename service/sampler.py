@@ -2,9 +2,12 @@
 
 `diffusion/sampler.onnx` maps query embeddings (B, d) and standard-normal noise (B, L, d) to
 L generated unit rows per query in one `session.run`; resolving rows to catalog items is
-`service.resolution.distinct_nearest`. ONNX Runtime's CUDA provider is used when available.
-`StepSampler` runs the same solver as a host loop over `diffusion/step.onnx` with IO binding
-(query bound once on the device; the graph for GPU runners that manage their own buffers).
+`service.resolution.distinct_nearest`. A model with a context (`context` = C in
+diffusion.json) also takes the embeddings of each query's C nearest catalog items (B, C, d),
+best first, which `service.index.neighbourhood` looks up. ONNX Runtime's CUDA provider is
+used when available. `StepSampler` runs the same solver as a host loop over
+`diffusion/step.onnx` with IO binding (query and context bound once on the device; the graph
+for GPU runners that manage their own buffers).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from service.sessions import open_session
 CONFIG_FILE = "diffusion.json"
 SAMPLER_FILE = "sampler.onnx"
 STEP_FILE = "step.onnx"
+CONTEXT_INPUT = "context"
+
+
 def read_config(diffusion_dir: Path) -> dict[str, Any]:
     path = Path(diffusion_dir) / CONFIG_FILE
     if not path.is_file():
@@ -44,23 +50,39 @@ class DiffusionSampler:
         self.providers: list[str] = self.session.get_providers()
         self.rows = int(self.config["rows"])
         self.dim = int(self.config["dim"])
+        self.context = int(self.config.get("context", 0))
 
     def noise(self, batch: int, seed: int | None = None) -> np.ndarray:
         """Standard-normal starting noise (B, L, d); the same seed gives the same noise."""
         rng = np.random.default_rng(seed)
         return rng.standard_normal((batch, self.rows, self.dim), dtype=np.float32)
 
-    def sample(self, query_emb: np.ndarray, seed: int | None = None,
-               noise: np.ndarray | None = None) -> np.ndarray:
-        """Generated rows (B, L, d), unit-norm, for query embeddings (B, d)."""
+    def feeds(self, query_emb: np.ndarray, context: np.ndarray | None) -> dict[str, np.ndarray]:
+        """The validated query and context inputs (the context only when the model has one)."""
         query = np.ascontiguousarray(query_emb, dtype=np.float32)
         if query.ndim != 2 or query.shape[1] != self.dim:
             raise ValueError(f"query_emb must be (B, {self.dim}), got {query.shape}")
+        if not self.context:
+            return {"query": query}
+        expected = (len(query), self.context, self.dim)
+        if context is None or context.shape != expected:
+            got = None if context is None else context.shape
+            raise ValueError(f"this sampler needs context {expected} (the queries' nearest "
+                             f"items, `neighbourhood`), got {got}")
+        return {"query": query, CONTEXT_INPUT: np.ascontiguousarray(context, dtype=np.float32)}
+
+    def sample(self, query_emb: np.ndarray, seed: int | None = None,
+               noise: np.ndarray | None = None,
+               context: np.ndarray | None = None) -> np.ndarray:
+        """Generated rows (B, L, d), unit-norm, for query embeddings (B, d) and, when the model
+        has one, their context (B, C, d)."""
+        feeds = self.feeds(query_emb, context)
+        batch = len(feeds["query"])
         if noise is None:
-            noise = self.noise(len(query), seed)
-        if len(query) == 0:
+            noise = self.noise(batch, seed)
+        if batch == 0:
             return np.zeros((0, self.rows, self.dim), dtype=np.float32)
-        feeds = {"query": query, "noise": np.ascontiguousarray(noise, dtype=np.float32)}
+        feeds["noise"] = np.ascontiguousarray(noise, dtype=np.float32)
         return self.session.run(["rows"], feeds)[0]
 
 
@@ -86,6 +108,7 @@ class StepSampler(DiffusionSampler):
         self.providers = self.session.get_providers()
         self.device = "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu"
         self.rows, self.dim = int(self.config["rows"]), int(self.config["dim"])
+        self.context = int(self.config.get("context", 0))
         self.sigmas = sigma_schedule(int(self.config["steps"]), float(self.config["sigma_min"]),
                                      float(self.config["sigma_max"]))
 
@@ -97,11 +120,14 @@ class StepSampler(DiffusionSampler):
         return binding.copy_outputs_to_cpu()[0]
 
     def sample(self, query_emb: np.ndarray, seed: int | None = None,
-               noise: np.ndarray | None = None) -> np.ndarray:
-        query = np.ascontiguousarray(query_emb, dtype=np.float32)  # (B, d)
+               noise: np.ndarray | None = None,
+               context: np.ndarray | None = None) -> np.ndarray:
+        fixed = self.feeds(query_emb, context)  # query (B, d) [, context (B, C, d)]
+        query = fixed["query"]
         noise = self.noise(len(query), seed) if noise is None else noise
         binding = self.session.io_binding()
-        binding.bind_ortvalue_input("query", ort.OrtValue.ortvalue_from_numpy(query, self.device))
+        for name, value in fixed.items():  # bound once on the device for every step
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, self.device))
         heun = self.config["solver"] == "heun"
         x = (noise * np.float32(self.sigmas[0])).astype(np.float32)  # (B, L, d)
         for sigma, sigma_next in zip(self.sigmas[:-1], self.sigmas[1:], strict=True):

@@ -11,6 +11,20 @@ reached a lower loss than the token (train 0.873 vs 0.888; at σ = 0.05/0.3/1: 0
 vs 0.904/0.771/0.788) at equal wall time, hence the default; without the added vector adaLN-Zero
 learnt the query far more slowly (σ = 1: 0.896 vs 0.829 after 250 steps).
 
+Context (`context` = C > 0, the `cpu` default): the rows also cross-attend to the embeddings of
+the query's C nearest catalog items, best first, with a learnt rank embedding. The teacher's
+prompt carries the names of that neighbourhood (service/fanout.py; names deduplicated and the
+query's own name skipped, which the raw top C here do not do), so the student sees about what
+its teacher saw; without it, the student has to memorise the catalog's geometry from the query
+alone (it under-fit its teacher on train queries: coverage@10 0.144 vs 0.171). The keys and
+values of the context are projected once per evaluation and shared by every layer. The null
+condition of CFG drops the context with the query.
+
+Ordered rows (`ordered`, an option): each row carries a learnt position embedding and
+training sorts every target block by its items' cosine to the query, best first, so row i
+learns "the i-th nearest chosen item" and rows stop competing for the same item. The block
+is then a sorted list rather than a set (the network is no longer permutation-equivariant).
+
 Rows vs slots: with L = k (the default) row i is slot i. With L > k (the paper's 12) training
 fills the L − k extra rows with copies of randomly chosen items of the same block, and serving
 keeps the k rows that resolve most confidently to distinct items.
@@ -41,6 +55,8 @@ class DenoiserConfig:
     sigma_data: float = 1.0 / math.sqrt(128)  # unit-norm rows in d=128: per-coordinate std
     cond_drop: float = 0.1  # condition dropout for classifier-free guidance (paper: 0.1)
     fourier: int = 64  # noise-level Fourier features
+    context: int = 0  # C, nearest catalog items the rows cross-attend to; 0 = none
+    ordered: bool = False  # rows carry learnt positions; targets sorted by cosine to the query
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,8 +66,9 @@ PRESETS: dict[str, DenoiserConfig] = {
     # Table 3: hidden 1024, MLP 1024, 6 layers, 16 heads, L = 12 → 80.2M params here (37.7M
     # of them adaLN-Zero modulations) vs the paper's 53.9M.
     "paper": DenoiserConfig(hidden=1024, mlp=1024, layers=6, heads=16, rows=12),
-    # Sized for 2 CPU cores: 1.31M params, 17.6 MFLOP per query per step (flops_per_step).
-    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=4, heads=4),
+    # Sized for 2 CPU cores: 1.48M params, 21.6 MFLOP per query per step (flops_per_step);
+    # the 16-item context matches the policy's prompt (PolicyConfig.context).
+    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=4, heads=4, context=16),
     "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
 }
 
@@ -80,11 +97,37 @@ class Attention(nn.Module):
         return self.out(mixed)
 
 
+# the context's keys and values (B, H, C, Dh) and the keep gate (B, 1, 1) or None (keep all)
+Memory = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class CrossAttention(nn.Module):
+    """Rows attend to the context's keys and values, (B, H, C, Dh) each, projected outside."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(hidden, eps=1e-6)
+        self.q = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.out.weight)  # starts as the identity, like the adaLN-Zero gates
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape
+        q = self.q(self.norm(x)).reshape(b, n, self.heads, h // self.heads)  # (B, N, H, Dh)
+        q = q.transpose(1, 2)  # (B, H, N, Dh)
+        weights = torch.softmax(q @ keys.transpose(-1, -2) / math.sqrt(h // self.heads), dim=-1)
+        mixed = (weights @ values).transpose(1, 2).reshape(b, n, h)  # (B, N, hidden)
+        return self.out(mixed)
+
+
 class Block(nn.Module):
     """Pre-LN transformer block; with adaLN-Zero, LN shift/scale and residual gates come from c."""
 
-    def __init__(self, hidden: int, mlp: int, heads: int, adaln: bool) -> None:
+    def __init__(self, hidden: int, mlp: int, heads: int, adaln: bool, cross: bool) -> None:
         super().__init__()
+        self.cross = CrossAttention(hidden, heads) if cross else None
         self.norm1 = nn.LayerNorm(hidden, elementwise_affine=not adaln, eps=1e-6)
         self.norm2 = nn.LayerNorm(hidden, elementwise_affine=not adaln, eps=1e-6)
         self.attn = Attention(hidden, heads)
@@ -95,14 +138,25 @@ class Block(nn.Module):
             nn.init.zeros_(self.modulation.weight)
             nn.init.zeros_(self.modulation.bias)
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, memory: Memory | None = None
+                ) -> torch.Tensor:
+        """memory: the context's keys and values (B, H, C, Dh) and a (B, 1, 1) keep gate."""
         if self.modulation is None:
             x = x + self.attn(self.norm1(x))
+            x = self._attend(x, memory)
             return x + self.mlp(self.norm2(x))
         mod = self.modulation(nn.functional.silu(c))[:, None, :]  # (B, 1, 6·hidden)
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)  # each (B, 1, hidden)
         x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1)
+        x = self._attend(x, memory)
         return x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)
+
+    def _attend(self, x: torch.Tensor, memory: Memory | None) -> torch.Tensor:
+        if self.cross is None or memory is None:
+            return x
+        keys, values, gate = memory
+        attended = self.cross(x, keys, values)  # (B, N, hidden)
+        return x + (attended if gate is None else gate * attended)
 
 
 class SetDenoiser(nn.Module):
@@ -125,9 +179,15 @@ class SetDenoiser(nn.Module):
         self.query_mlp = nn.Sequential(nn.Linear(config.dim, h), nn.SiLU(), nn.Linear(h, h))
         self.null_query = nn.Parameter(torch.zeros(config.dim))  # the dropped condition
         self.embed = nn.Linear(config.dim, h)
+        if config.ordered:
+            self.positions = nn.Parameter(0.02 * torch.randn(config.rows, h))  # (L, hidden)
         self.blocks = nn.ModuleList(
-            Block(h, config.mlp, config.heads, adaln) for _ in range(config.layers)
+            Block(h, config.mlp, config.heads, adaln, config.context > 0)
+            for _ in range(config.layers)
         )
+        if config.context > 0:  # keys and values of the context, shared by every layer
+            self.memory = nn.Linear(config.dim, 2 * h)
+            self.rank = nn.Parameter(torch.zeros(config.context, 2 * h))  # neighbour rank
         self.final_norm = nn.LayerNorm(h, elementwise_affine=not adaln, eps=1e-6)
         self.final_mod = nn.Linear(h, 2 * h) if adaln else None
         self.head = nn.Linear(h, config.dim)
@@ -146,16 +206,34 @@ class SetDenoiser(nn.Module):
             query = keep[:, None] * query + (1 - keep[:, None]) * self.null_query  # (B, d)
         return self.noise_mlp(fourier) + self.query_mlp(query)  # (B, hidden)
 
+    def context_memory(self, context: torch.Tensor | None,
+                       keep: torch.Tensor | None) -> Memory | None:
+        """Keys, values (B, H, C, Dh) and keep gate (B, 1, 1) from context (B, C, d)."""
+        if self.config.context == 0:
+            return None
+        if context is None or context.shape[1:] != (self.config.context, self.config.dim):
+            got = None if context is None else tuple(context.shape)
+            raise ValueError(f"context must be (B, {self.config.context}, {self.config.dim}), "
+                             f"got {got}")
+        b, c, _ = context.shape
+        kv = self.memory(context) + self.rank  # (B, C, 2·hidden)
+        kv = kv.reshape(b, c, 2, self.config.heads, -1).permute(2, 0, 3, 1, 4)  # (2, B, H, C, Dh)
+        return kv[0], kv[1], None if keep is None else keep[:, None, None]  # gate (B, 1, 1)
+
     def forward(self, x: torch.Tensor, c_noise: torch.Tensor, query: torch.Tensor,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None,
+                context: torch.Tensor | None = None) -> torch.Tensor:
         c = self.condition(c_noise, query, keep)  # (B, hidden)
+        memory = self.context_memory(context, keep)
         # c also enters every row token: with adaLN-Zero's zero-initialised gates and head,
         # a query reaching the rows only through modulations is learnt very slowly.
         h = self.embed(x) + c[:, None, :]  # (B, L, hidden)
+        if self.config.ordered:
+            h = h + self.positions  # (B, L, hidden)
         if self.final_mod is None:  # conditioning token prepended to the rows
             h = torch.cat([c[:, None, :], h], dim=1)  # (B, 1 + L, hidden)
         for block in self.blocks:
-            h = block(h, c)
+            h = block(h, c, memory)
         h = self.final_norm(h)
         if self.final_mod is None:
             h = h[:, 1:, :]  # (B, L, hidden): drop the conditioning token
@@ -176,22 +254,25 @@ def precondition(sigma: torch.Tensor, sigma_data: float) -> tuple[torch.Tensor, 
 
 
 def denoise(model: SetDenoiser, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
-            keep: torch.Tensor | None = None) -> torch.Tensor:
+            keep: torch.Tensor | None = None,
+            context: torch.Tensor | None = None) -> torch.Tensor:
     """D_θ(x; σ, q) = c_skip·x + c_out·F_θ(c_in·x, c_noise, q). x (B, L, d), σ (B,)."""
     c_skip, c_out, c_in, c_noise = precondition(sigma, model.config.sigma_data)
-    f = model(c_in[:, None, None] * x, c_noise, query, keep)  # (B, L, d)
+    f = model(c_in[:, None, None] * x, c_noise, query, keep, context)  # (B, L, d)
     return c_skip[:, None, None] * x + c_out[:, None, None] * f
 
 
 def guided_denoise(model: SetDenoiser, x: torch.Tensor, sigma: torch.Tensor,
-                   query: torch.Tensor, cfg_weight: float) -> torch.Tensor:
+                   query: torch.Tensor, cfg_weight: float,
+                   context: torch.Tensor | None = None) -> torch.Tensor:
     """Classifier-free guidance, D = D_c + w·(D_c − D_u); w = 0 is the plain conditional model."""
     if cfg_weight == 0.0:
-        return denoise(model, x, sigma, query)
+        return denoise(model, x, sigma, query, context=context)
     b = x.shape[0]
     keep = torch.cat([torch.ones(b), torch.zeros(b)]).to(x)  # (2B,)
+    both_context = None if context is None else torch.cat([context, context])  # (2B, C, d)
     both = denoise(model, torch.cat([x, x]), torch.cat([sigma, sigma]),
-                   torch.cat([query, query]), keep)  # (2B, L, d)
+                   torch.cat([query, query]), keep, both_context)  # (2B, L, d)
     cond, uncond = both[:b], both[b:]
     return cond + cfg_weight * (cond - uncond)
 
@@ -204,13 +285,15 @@ def flops_per_step(config: DenoiserConfig, cfg: bool = False) -> int:
     """Multiply-adds ×2 of one denoiser evaluation for one query (×2 again with CFG).
 
     Row-wise weights run once per row (and per conditioning token); the conditioning MLPs and
-    adaLN modulations run once per query; attention adds 4·n²·hidden per layer.
+    adaLN modulations run once per query; attention adds 4·n²·hidden per layer, and the context
+    (C items) a cross-attention per layer plus one key/value projection per evaluation.
     """
-    h, n = config.hidden, config.rows + (config.conditioning == "token")
-    per_row = config.dim * h + h * config.dim + config.layers * (4 * h * h + 2 * h * config.mlp)
-    per_query = config.fourier * h + h * h + config.dim * h + h * h
+    h, n, c = config.hidden, config.rows + (config.conditioning == "token"), config.context
+    layer = 4 * h * h + 2 * h * config.mlp + (2 * h * h if c else 0)
+    per_row = config.dim * h + h * config.dim + config.layers * layer
+    per_query = config.fourier * h + h * h + config.dim * h + h * h + c * config.dim * 2 * h
     if config.conditioning == "adaln":
         per_query += config.layers * 6 * h * h + 2 * h * h
-    attention = config.layers * 2 * n * n * h
+    attention = config.layers * 2 * n * (n + c) * h
     flops = 2 * (n * per_row + per_query + attention)
     return flops * (2 if cfg else 1)

@@ -1,12 +1,14 @@
 """Export the trained denoiser and its whole sampler to ONNX, into the bundle folder `diffusion/`.
 
 - `step.onnx`: one guided denoiser evaluation D(x; σ, q) (inputs x (B,L,d), sigma (B,),
-  query (B,d); output denoised (B,L,d)), exported by torch.onnx's dynamo exporter; CFG is
-  folded in as D = D_c + w·(D_c − D_u). This is the graph for GPU serving with IO binding.
-- `sampler.onnx`: the whole solver (inputs query (B,d), noise (B,L,d) standard normal; output
-  rows (B,L,d), unit-norm), composed from the step graph: either unrolled (one copy of the
-  step's nodes per evaluation, sharing the weights) or as an ONNX `Loop` whose body holds the
-  step; both run in one `session.run`.
+  query (B,d), and context (B,C,d) when the model has one; output denoised (B,L,d)), exported
+  by torch.onnx's dynamo exporter; CFG is folded in as D = D_c + w·(D_c − D_u). This is the
+  graph for GPU serving with IO binding.
+- `sampler.onnx`: the whole solver (inputs query (B,d), [context (B,C,d): the embeddings of the
+  query's C nearest catalog items, best first], noise (B,L,d) standard normal; output rows
+  (B,L,d), unit-norm), composed from the step graph: either unrolled (one copy of the step's
+  nodes per evaluation, sharing the weights) or as an ONNX `Loop` whose body holds the step;
+  both run in one `session.run`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 
 from service.bundle import commit_stage, config_hash, read_manifest
 from service.errors import BundleError
+from service.sampler import CONTEXT_INPUT
 from training.denoiser import SetDenoiser, count_params, flops_per_step, guided_denoise
 from training.samplers import sample, sigma_schedule, solver_evaluations
 
@@ -58,26 +61,31 @@ class ExportConfig:
 
 
 class GuidedStep(nn.Module):
-    """The exported step: x (B,L,d), sigma (B,), query (B,d) → guided D (B,L,d)."""
+    """The exported step: x (B,L,d), sigma (B,), query (B,d) [, context (B,C,d)] → guided D."""
 
     def __init__(self, model: SetDenoiser, cfg_weight: float) -> None:
         super().__init__()
         self.model, self.cfg_weight = model, cfg_weight
 
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        return guided_denoise(self.model, x, sigma, query, self.cfg_weight)
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+        return guided_denoise(self.model, x, sigma, query, self.cfg_weight, context)
 
 
 def export_step(model: SetDenoiser, cfg_weight: float, path: Path) -> onnx.ModelProto:
     """Dynamo export of one guided step with a dynamic batch axis."""
     config = model.config
     batch = torch.export.Dim("batch", min=1)
-    example = (torch.randn(3, config.rows, config.dim), torch.rand(3) + 0.1,
-               torch.randn(3, config.dim))
+    example: tuple[torch.Tensor, ...] = (torch.randn(3, config.rows, config.dim),
+                                         torch.rand(3) + 0.1, torch.randn(3, config.dim))
+    names = list(STEP_INPUTS)
+    if config.context:
+        example += (torch.randn(3, config.context, config.dim),)
+        names.append(CONTEXT_INPUT)
     program = torch.onnx.export(
         GuidedStep(model, cfg_weight).eval(), example, dynamo=True, optimize=True,
-        input_names=list(STEP_INPUTS), output_names=["denoised"],
-        dynamic_shapes=({0: batch}, {0: batch}, {0: batch}), verbose=False,
+        input_names=names, output_names=["denoised"],
+        dynamic_shapes=tuple({0: batch} for _ in example), verbose=False,
     )
     program.save(str(path))
     return onnx.load(str(path))
@@ -109,7 +117,10 @@ class GraphWriter:
     def denoise(self, x: str, sigma_b: str, query: str) -> str:
         """Inline one copy of the step graph; returns the name of its `denoised` output."""
         copy = self.name("step") + "."
-        bound = dict(zip(STEP_INPUTS, (x, sigma_b, query), strict=True))
+        bound = {"x": x, "sigma": sigma_b, "query": query}
+        if step_context(self.step):
+            # the sampler's own input of the same name (outer scope in a Loop body)
+            bound[CONTEXT_INPUT] = CONTEXT_INPUT
 
         def rename(value: str) -> str:
             if not value or value in self.shared:
@@ -166,9 +177,28 @@ def _loop(w: GraphWriter, step: onnx.ModelProto, heun: bool, sigmas: str, n: int
     return out
 
 
+def step_context(step: onnx.ModelProto) -> int:
+    """C of the step graph's `context` input (B, C, d); 0 when it has none."""
+    for value in step.graph.input:
+        if value.name == CONTEXT_INPUT:
+            return int(value.type.tensor_type.shape.dim[1].dim_value)
+    return 0
+
+
+def sampler_inputs(rows: int, dim: int, context: int) -> list[onnx.ValueInfoProto]:
+    """query (B, d) [, context (B, C, d)], noise (B, L, d)."""
+    inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, ["batch", dim])]
+    if context:
+        inputs.append(helper.make_tensor_value_info(CONTEXT_INPUT, TensorProto.FLOAT,
+                                                    ["batch", context, dim]))
+    inputs.append(helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["batch", rows, dim]))
+    return inputs
+
+
 def compose_sampler(step: onnx.ModelProto, rows: int, dim: int, solver: str, steps: int,
                     sigma_min: float, sigma_max: float, form: str = "unrolled") -> onnx.ModelProto:
-    """The whole solver as one graph: query (B,d), noise (B,L,d) → rows (B,L,d), unit-norm."""
+    """The whole solver as one graph: query (B,d) [, context (B,C,d) when the step graph takes
+    one], noise (B,L,d) → rows (B,L,d), unit-norm."""
     if form not in ("unrolled", "loop"):
         raise ValueError(f"form must be 'unrolled' or 'loop', got {form!r}")
     solver_evaluations(solver, steps)  # validates the solver name
@@ -195,9 +225,7 @@ def compose_sampler(step: onnx.ModelProto, rows: int, dim: int, solver: str, ste
     nodes.append(helper.make_node("Div", [x, w.op("Max", [norm, w.const(1e-12)])], ["rows"],
                                   name="sampler.unit_rows"))
     graph = helper.make_graph(
-        nodes, f"{solver}_{steps}_{form}",
-        [helper.make_tensor_value_info("query", TensorProto.FLOAT, ["batch", dim]),
-         helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["batch", rows, dim])],
+        nodes, f"{solver}_{steps}_{form}", sampler_inputs(rows, dim, step_context(step)),
         [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["batch", rows, dim])],
         initializer=initializers,
     )
@@ -223,11 +251,18 @@ def parity(model: SetDenoiser, sampler: onnx.ModelProto, config: ExportConfig) -
     query = rng.standard_normal((config.parity_batch, mc.dim)).astype(np.float32)
     query /= np.linalg.norm(query, axis=1, keepdims=True)
     noise = rng.standard_normal((config.parity_batch, mc.rows, mc.dim)).astype(np.float32)
+    feeds = {"query": query, "noise": noise}
+    context = None
+    if mc.context:  # unit rows, like the catalog embeddings served
+        rows = rng.standard_normal((config.parity_batch, mc.context, mc.dim)).astype(np.float32)
+        feeds[CONTEXT_INPUT] = rows / np.linalg.norm(rows, axis=-1, keepdims=True)
+        context = torch.from_numpy(feeds[CONTEXT_INPUT])
     session = ort.InferenceSession(sampler.SerializeToString(),
                                    providers=["CPUExecutionProvider"])
-    onnx_rows = session.run(["rows"], {"query": query, "noise": noise})[0]
+    onnx_rows = session.run(["rows"], feeds)[0]
     torch_rows = sample(model, torch.from_numpy(query), config.solver, config.steps,
-                        config.cfg_weight, noise=torch.from_numpy(noise)).numpy()
+                        config.cfg_weight, noise=torch.from_numpy(noise),
+                        context=context).numpy()
     return float(np.abs(onnx_rows - torch_rows).max())
 
 
@@ -245,7 +280,8 @@ def sampler_config(model: SetDenoiser, config: ExportConfig) -> dict[str, Any]:
     mc = model.config
     nfe = solver_evaluations(config.solver, config.steps)
     return {
-        "rows": mc.rows, "k": mc.k, "dim": mc.dim, "solver": config.solver,
+        "rows": mc.rows, "k": mc.k, "dim": mc.dim, "context": mc.context,
+        "solver": config.solver,
         "steps": config.steps, "evaluations": nfe, "form": config.form,
         "cfg_weight": config.cfg_weight, "cfg_formula": CFG_FORMULA,
         "sigma_min": mc.sigma_min, "sigma_max": mc.sigma_max, "sigma_data": mc.sigma_data,

@@ -21,6 +21,7 @@ import onnx
 
 from service.bundle import REPORTS_DIR, Bundle
 from service.encoder import Encoder
+from service.index import neighbourhood
 from service.resolution import distinct_nearest
 from service.sampler import CONFIG_FILE, SAMPLER_FILE, STEP_FILE, DiffusionSampler, read_config
 from training.methods import Method, MethodOutput, fanout_output
@@ -79,7 +80,8 @@ def diffusion(bundle: Bundle, k: int = 10, steps: int | None = None, solver: str
     sampler = open_sampler(bundle, steps, solver, threads)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
-        rows = sampler.sample(queries, seed=seed)  # (Q, L, d)
+        context = sampler_context(bundle, sampler, queries)  # (Q, C, d) or None
+        rows = sampler.sample(queries, seed=seed, context=context)  # (Q, L, d)
         items, scores = distinct_nearest(bundle.index, rows)  # (Q, L) each
         probes, items = keep_confident(rows, items, scores, k)  # (Q, k, d), (Q, k)
         return fanout_output(bundle, probes, items)
@@ -87,15 +89,28 @@ def diffusion(bundle: Bundle, k: int = 10, steps: int | None = None, solver: str
     return run
 
 
+def sampler_context(bundle: Bundle, sampler: DiffusionSampler,
+                    queries: np.ndarray) -> np.ndarray | None:
+    """The queries' nearest items' embeddings (Q, C, d) when the sampler attends to them."""
+    if not sampler.context:
+        return None
+    return neighbourhood(bundle.index, bundle.items.embeddings, queries, sampler.context)
+
+
 def solver_benchmark(sampler: DiffusionSampler, queries: np.ndarray, batch: int = BENCH_BATCH,
-                     repeats: int = 3) -> dict[str, float]:
-    """Solver-only throughput: best of `repeats` passes over `queries` in batches of `batch`."""
-    sampler.sample(queries[:batch], seed=0)  # warm-up
+                     repeats: int = 3, context: np.ndarray | None = None) -> dict[str, float]:
+    """Solver-only throughput: best of `repeats` passes over `queries` in batches of `batch`
+    (the context, when the sampler has one, is looked up beforehand: it is a search)."""
+    def part(start: int) -> dict[str, Any]:
+        end = start + batch
+        return {"context": None if context is None else context[start:end]}
+
+    sampler.sample(queries[:batch], seed=0, **part(0))  # warm-up
     best = float("inf")
     for _ in range(repeats):
         began = time.perf_counter()
         for start in range(0, len(queries), batch):
-            sampler.sample(queries[start : start + batch], seed=0)
+            sampler.sample(queries[start : start + batch], seed=0, **part(start))
         best = min(best, time.perf_counter() - began)
     return {"ms_per_query": 1000.0 * best / len(queries), "queries_per_s": len(queries) / best,
             "batch": batch}
@@ -117,7 +132,8 @@ def steps_curve(bundle: Bundle, split: str = "test", steps_list: tuple[int, ...]
             report = evaluate(bundle, "diffusion", split, k, limit, encoder,
                               steps=steps, solver=solver)
             sampler = open_sampler(bundle, steps, solver)
-            bench = solver_benchmark(sampler, embedded, repeats=1)
+            context = sampler_context(bundle, sampler, embedded)
+            bench = solver_benchmark(sampler, embedded, repeats=1, context=context)
             points.append({"solver": solver, "steps": steps,
                            "evaluations": sampler.config["evaluations"],
                            "mflop_per_query": sampler.config["flops_per_query"] / 1e6,
@@ -185,12 +201,18 @@ def run_steps_curve(bundle_dir: Path, split: str = "test", k: int = 10,
 
 def benchmark_sampler(diffusion_dir: Path, batch: int = BENCH_BATCH, n_queries: int = 512,
                       threads: int = 0, seed: int = 0) -> dict[str, Any]:
-    """Solver-only throughput of an exported sampler on random unit queries (run it alone)."""
+    """Solver-only throughput of an exported sampler on random unit queries (and random unit
+    context rows when it has a context; the values do not change the cost). Run it alone."""
     sampler = DiffusionSampler(diffusion_dir, threads=threads)
     rng = np.random.default_rng(seed)
     queries = rng.standard_normal((n_queries, sampler.dim)).astype(np.float32)
     queries /= np.linalg.norm(queries, axis=1, keepdims=True)
-    result = solver_benchmark(sampler, queries, batch)
+    context = None
+    if sampler.context:
+        context = rng.standard_normal((n_queries, sampler.context, sampler.dim)).astype(np.float32)
+        context /= np.linalg.norm(context, axis=2, keepdims=True)
+    result = solver_benchmark(sampler, queries, batch, context=context)
     return {**result, "threads": threads, "providers": sampler.providers,
             **{key: sampler.config[key] for key in ("solver", "steps", "cfg_weight", "form",
-                                                    "flops_per_query")}}
+                                                    "flops_per_query")},
+            "context": sampler.context}

@@ -44,8 +44,9 @@ def initial_noise(shape: tuple[int, ...], generator: torch.Generator | None) -> 
     return torch.randn(shape, generator=generator, device=device)
 
 
-def _denoiser(model: SetDenoiser, query: torch.Tensor, cfg_weight: float) -> Denoise:
-    return lambda x, sigma: guided_denoise(model, x, sigma, query, cfg_weight)
+def _denoiser(model: SetDenoiser, query: torch.Tensor, cfg_weight: float,
+              context: torch.Tensor | None) -> Denoise:
+    return lambda x, sigma: guided_denoise(model, x, sigma, query, cfg_weight, context)
 
 
 def _unit_rows(x: torch.Tensor) -> torch.Tensor:
@@ -53,23 +54,26 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _start(model: SetDenoiser, query: torch.Tensor, steps: int, cfg_weight: float,
-           generator: torch.Generator | None, noise: torch.Tensor | None
-           ) -> tuple[torch.Tensor, list[float], Denoise, torch.Tensor]:
+           generator: torch.Generator | None, noise: torch.Tensor | None,
+           context: torch.Tensor | None) -> tuple[torch.Tensor, list[float], Denoise, torch.Tensor]:
     """Shared set-up of the ODE solvers: x at sigma_max, the schedule, the guided denoiser."""
     config = model.config
     if noise is None:
         noise = initial_noise((query.shape[0], config.rows, config.dim), generator)
     sigmas = sigma_schedule(steps, config.sigma_min, config.sigma_max)
     ones = torch.ones(query.shape[0], device=query.device)  # (B,)
-    return noise * sigmas[0], sigmas, _denoiser(model, query, cfg_weight), ones  # x: (B, L, d)
+    d_fn = _denoiser(model, query, cfg_weight, context)
+    return noise * sigmas[0], sigmas, d_fn, ones  # x: (B, L, d)
 
 
 @torch.no_grad()
 def euler_pf_ode(model: SetDenoiser, query: torch.Tensor, steps: int = 256,
                  cfg_weight: float = 0.0, generator: torch.Generator | None = None,
-                 noise: torch.Tensor | None = None) -> torch.Tensor:
-    """First-order Euler on the probability-flow ODE. query (B, d) → rows (B, L, d)."""
-    x, sigmas, d_fn, ones = _start(model, query, steps, cfg_weight, generator, noise)
+                 noise: torch.Tensor | None = None,
+                 context: torch.Tensor | None = None) -> torch.Tensor:
+    """First-order Euler on the probability-flow ODE. query (B, d), context (B, C, d) or None
+    → rows (B, L, d)."""
+    x, sigmas, d_fn, ones = _start(model, query, steps, cfg_weight, generator, noise, context)
     for sigma, sigma_next in pairwise(sigmas):
         slope = (x - d_fn(x, ones * sigma)) / sigma
         x = x + (sigma_next - sigma) * slope
@@ -79,9 +83,10 @@ def euler_pf_ode(model: SetDenoiser, query: torch.Tensor, steps: int = 256,
 @torch.no_grad()
 def heun_edm(model: SetDenoiser, query: torch.Tensor, steps: int = 8, cfg_weight: float = 0.0,
              generator: torch.Generator | None = None,
-             noise: torch.Tensor | None = None) -> torch.Tensor:
+             noise: torch.Tensor | None = None,
+             context: torch.Tensor | None = None) -> torch.Tensor:
     """EDM Algorithm 1 (Heun's 2nd order, deterministic). query (B, d) → rows (B, L, d)."""
-    x, sigmas, d_fn, ones = _start(model, query, steps, cfg_weight, generator, noise)
+    x, sigmas, d_fn, ones = _start(model, query, steps, cfg_weight, generator, noise, context)
     for sigma, sigma_next in pairwise(sigmas):
         slope = (x - d_fn(x, ones * sigma)) / sigma
         x_euler = x + (sigma_next - sigma) * slope
@@ -98,7 +103,8 @@ SOLVERS = {"euler": euler_pf_ode, "heun": heun_edm}
 
 def sample(model: SetDenoiser, query: torch.Tensor, solver: str, steps: int,
            cfg_weight: float = 0.0, generator: torch.Generator | None = None,
-           noise: torch.Tensor | None = None) -> torch.Tensor:
+           noise: torch.Tensor | None = None,
+           context: torch.Tensor | None = None) -> torch.Tensor:
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; available: {sorted(SOLVERS)}")
-    return SOLVERS[solver](model, query, steps, cfg_weight, generator, noise)
+    return SOLVERS[solver](model, query, steps, cfg_weight, generator, noise, context)

@@ -62,6 +62,31 @@ def test_step_loop_with_io_binding_matches_the_whole_graph(diffusion_dir):
     assert np.abs(looped.sample(queries, seed=4) - whole.sample(queries, seed=4)).max() < 1e-4
 
 
+@pytest.fixture(scope="module")
+def context_dir(tmp_path_factory):
+    import torch
+
+    torch.set_num_threads(1)
+    return tiny_diffusion_dir(tmp_path_factory.mktemp("ctx"), solver="euler", steps=3,
+                              context=4)
+
+
+def test_a_sampler_with_context_needs_it_and_uses_it(context_dir):
+    whole = DiffusionSampler(context_dir, threads=1)
+    assert whole.context == 4
+    queries = _queries(3)
+    context = np.stack([_queries(4) for _ in range(3)])  # (3, 4, 128)
+    with pytest.raises(ValueError, match="needs context"):
+        whole.sample(queries, seed=0)
+    with pytest.raises(ValueError, match="needs context"):
+        whole.sample(queries, seed=0, context=context[:, :3])
+    rows = whole.sample(queries, seed=0, context=context)
+    assert rows.shape == (3, 10, 128)
+    assert not np.allclose(rows, whole.sample(queries, seed=0, context=context[:, ::-1]))
+    looped = StepSampler(context_dir, threads=1)
+    assert np.abs(looped.sample(queries, seed=0, context=context) - rows).max() < 1e-4
+
+
 @pytest.mark.parametrize("steps", [1, 2, 8, 256])
 def test_service_schedule_mirrors_the_training_schedule(steps):
     from training.samplers import sigma_schedule as training_schedule

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from training.diffusion_training import Neighbourhood
 
 
 @dataclass
@@ -21,6 +25,7 @@ class ProxyDataset:
     query_index: np.ndarray  # (N,)
     reward: np.ndarray  # (N,)
     queries: list[str] = field(default_factory=list)
+    catalog: np.ndarray | None = None  # (M, d) the items `target_rows` index, when known
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -41,8 +46,17 @@ def synthetic_blocks(n_queries: int = 8, per_query: int = 4, k: int = 10, d: int
         query_emb=centres[query_index], target_emb=target,
         target_rows=query_index[:, None] * 2 * k + picks, query_index=query_index,
         reward=np.zeros(len(query_index), np.float32),
-        queries=[f"q{i}" for i in range(n_queries)],
+        queries=[f"q{i}" for i in range(n_queries)], catalog=items.reshape(-1, d),
     )
+
+
+def synthetic_neighbourhood(data: ProxyDataset, n: int) -> Neighbourhood:
+    """The blocks' context: each query's n nearest items of the dataset's catalog."""
+    from service.index import build_index
+    from training.diffusion_training import block_neighbourhood
+
+    assert data.catalog is not None
+    return block_neighbourhood(data, build_index(data.catalog), data.catalog, n)
 
 
 def neighbour_blocks(bundle_dir: Path, per_query: int = 128, k: int = 10, top: int = 100,
@@ -65,21 +79,24 @@ def neighbour_blocks(bundle_dir: Path, per_query: int = 128, k: int = 10, top: i
         query_emb=query_emb[query_index], target_emb=bundle.items.embeddings[rows],
         target_rows=rows, query_index=query_index,
         reward=np.zeros(len(query_index), np.float32), queries=texts,
+        catalog=bundle.items.embeddings,
     )
 
 
-def tiny_checkpoint(run_dir: Path, rows: int = 10, steps: int = 20) -> Path:
+def tiny_checkpoint(run_dir: Path, rows: int = 10, steps: int = 20, context: int = 0) -> Path:
     """Train the `tiny` preset for a few steps on synthetic blocks; returns the checkpoint."""
     from training.denoiser import preset
     from training.diffusion_training import CHECKPOINT, train, train_preset
 
-    config = train_preset("tiny", steps=steps, model=preset("tiny", rows=rows))
-    train(synthetic_blocks(), config, run_dir, progress=False)
+    config = train_preset("tiny", steps=steps, model=preset("tiny", rows=rows, context=context))
+    data = synthetic_blocks()
+    neighbours = synthetic_neighbourhood(data, context) if context else None
+    train(data, config, run_dir, progress=False, context=neighbours)
     return run_dir / CHECKPOINT
 
 
 def tiny_diffusion_dir(directory: Path, solver: str = "heun", steps: int = 3,
-                       cfg_weight: float = 0.1, rows: int = 10) -> Path:
+                       cfg_weight: float = 0.1, rows: int = 10, context: int = 0) -> Path:
     """A tiny exported `diffusion/` folder (step.onnx, sampler.onnx, diffusion.json).
 
     A few training steps leave the zero-initialised output layers near zero, so the weights
@@ -90,7 +107,7 @@ def tiny_diffusion_dir(directory: Path, solver: str = "heun", steps: int = 3,
     from training.diffusion_export import ExportConfig, write_sampler
     from training.diffusion_training import load_ema
 
-    model, _ = load_ema(tiny_checkpoint(directory / "run", rows=rows))
+    model, _ = load_ema(tiny_checkpoint(directory / "run", rows=rows, context=context))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

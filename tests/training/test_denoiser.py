@@ -1,11 +1,12 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.training.proxy_dataset import synthetic_blocks
+from tests.training.proxy_dataset import synthetic_blocks, synthetic_neighbourhood
 from training.denoiser import (
     PRESETS,
     SetDenoiser,
@@ -43,19 +44,72 @@ def _randomised(config_name: str = "tiny", **overrides) -> SetDenoiser:
     return model
 
 
-def _fixed_loss(state, config, query, target) -> float:
+def _fixed_loss(state, config, query, target, context=None) -> float:
     with torch.no_grad():
-        return float(dsm_loss(state.model, query, target, config, torch.Generator().manual_seed(7)))
+        return float(dsm_loss(state.model, query, target, config, torch.Generator().manual_seed(7),
+                              context))
 
 
 def test_one_training_step_lowers_the_loss_on_a_fixed_batch():
     config = train_preset("tiny", lr=3e-3, warmup=1)
     state = new_state(config)
-    query, target = batch_of(synthetic_blocks(), config, torch.Generator().manual_seed(1))
+    query, target, _ = batch_of(synthetic_blocks(), config, torch.Generator().manual_seed(1))
     before = _fixed_loss(state, config, query, target)
     state.generator = torch.Generator().manual_seed(7)  # the step sees the same noise
     train_step(state, config, query, target)
     assert _fixed_loss(state, config, query, target) < before
+
+
+def test_training_with_a_context_attends_to_each_querys_nearest_items(tmp_path):
+    data = synthetic_blocks()
+    config = train_preset("tiny", lr=3e-3, warmup=1, model=preset("tiny", context=4))
+    with pytest.raises(ValueError, match="neighbourhood"):
+        train(data, config, tmp_path, progress=False)
+    neighbours = synthetic_neighbourhood(data, 4)
+    nearest = np.argsort(-(data.query_emb @ data.catalog.T), axis=1)[:, :4]  # (N, 4)
+    assert np.array_equal(neighbours.rows, nearest)
+    state = new_state(config)
+    query, target, context = batch_of(data, config, torch.Generator().manual_seed(1), neighbours)
+    assert context.shape == (config.batch, 4, 128)
+    before = _fixed_loss(state, config, query, target, context)
+    state.generator = torch.Generator().manual_seed(7)
+    train_step(state, config, query, target, context)
+    assert _fixed_loss(state, config, query, target, context) < before
+
+
+def test_context_conditions_the_rows_and_is_dropped_with_the_query():
+    model = _randomised(context=4)
+    x, sigma, query = torch.randn(2, 10, 128), torch.tensor([0.1, 0.5]), torch.randn(2, 128)
+    c1, c2 = torch.randn(2, 4, 128), torch.randn(2, 4, 128)
+    out = denoise(model, x, sigma, query, context=c1)
+    assert not torch.allclose(out, denoise(model, x, sigma, query, context=c2))
+    dropped = torch.zeros(2)  # the null condition of CFG ignores the context
+    assert torch.allclose(denoise(model, x, sigma, query, dropped, c1),
+                          denoise(model, x, sigma, query, dropped, c2))
+    perm = torch.randperm(10)
+    assert torch.allclose(denoise(model, x[:, perm], sigma, query, context=c1), out[:, perm],
+                          atol=1e-5)
+    guided = guided_denoise(model, x, sigma, query, 0.5, c1)
+    uncond = denoise(model, x, sigma, query, dropped, c1)
+    assert torch.allclose(guided, out + 0.5 * (out - uncond), atol=1e-6)
+    with pytest.raises(ValueError, match="context must be"):
+        denoise(model, x, sigma, query)
+
+
+def test_ordered_rows_sort_each_block_by_cosine_to_the_query_and_carry_positions():
+    config = train_preset("tiny", model=preset("tiny", ordered=True))
+    data = synthetic_blocks()
+    query, target, _ = batch_of(data, config, torch.Generator().manual_seed(1))
+    sims = (target @ query[:, :, None])[..., 0]  # (B, k)
+    assert (sims[:, :-1] >= sims[:, 1:]).all()
+    unsorted = torch.from_numpy(data.target_emb)  # the stored blocks are not in that order
+    assert not all(((unsorted @ torch.from_numpy(data.query_emb)[:, :, None])[..., 0]
+                    .diff(dim=1) <= 0).all(dim=1))
+    model = _randomised(ordered=True)
+    x, sigma, q = torch.randn(2, 10, 128), torch.tensor([0.05, 0.5]), torch.randn(2, 128)
+    perm = torch.flip(torch.arange(10), [0])
+    out = denoise(model, x, sigma, q)
+    assert not torch.allclose(denoise(model, x[:, perm], sigma, q), out[:, perm], atol=1e-3)
 
 
 @pytest.mark.parametrize("conditioning", ["adaln", "token"])
@@ -84,9 +138,11 @@ def test_condition_changes_the_output_and_cfg_zero_is_the_conditional_model():
 def test_flops_per_step_matches_a_flop_counter(name):
     config = PRESETS[name]
     model = SetDenoiser(config).eval()
+    context = torch.randn(4, config.context, config.dim) if config.context else None
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        model(torch.randn(4, config.rows, config.dim), torch.zeros(4), torch.randn(4, 128))
+        model(torch.randn(4, config.rows, config.dim), torch.zeros(4), torch.randn(4, 128),
+              context=context)
     assert counter.get_total_flops() / 4 == pytest.approx(flops_per_step(config), rel=0.01)
 
 

@@ -75,3 +75,21 @@ def test_export_commits_a_verified_diffusion_stage(tmp_path):
     assert written["evaluations"] == 5 and written["parity_max_abs_diff"] < 1e-3
     assert written["flops_per_query"] == meta["flops_per_query"] > 0
     assert not [p for p in bundle_dir.iterdir() if p.name.startswith(".stage")]
+
+
+@pytest.mark.parametrize(("form", "solver"), [("unrolled", "euler"), ("loop", "heun")])
+def test_a_model_with_context_exports_with_parity(tmp_path, form, solver):
+    from training.diffusion_export import write_sampler
+
+    torch.set_num_threads(1)
+    model, _ = load_ema(tiny_checkpoint(tmp_path / "run", context=4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    meta = write_sampler(model, ExportConfig(solver=solver, steps=4, cfg_weight=0.5, form=form),
+                         tmp_path / "diffusion")
+    assert meta["context"] == 4 and meta["parity_max_abs_diff"] < 1e-3
+    session = ort.InferenceSession(str(tmp_path / "diffusion" / "sampler.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    assert inputs["context"][1:] == [4, 128] and set(inputs) == {"query", "context", "noise"}

@@ -13,13 +13,14 @@ from training.evaluation import METHODS
 
 @pytest.fixture(scope="module")
 def bundle(small_bundle_dir, tmp_path_factory):
-    """The small real bundle plus a tiny diffusion stage with L = 12 rows for k = 10."""
+    """The small real bundle plus a tiny diffusion stage with L = 12 rows for k = 10, which
+    attends to each query's 4 nearest items."""
     import torch
 
     torch.set_num_threads(1)
     directory = tmp_path_factory.mktemp("diffusion-bundle") / "b"
     shutil.copytree(small_bundle_dir, directory)
-    checkpoint = tiny_checkpoint(directory / "runs" / "diffusion", rows=12)
+    checkpoint = tiny_checkpoint(directory / "runs" / "diffusion", rows=12, context=4)
     export_diffusion(directory, checkpoint, ExportConfig(solver="heun", steps=2))
     return load_bundle(directory)
 
@@ -32,6 +33,30 @@ def test_resolution_returns_k_distinct_ids(bundle):
         for row in out.items:
             assert len(set(row.tolist())) == 10
         assert all(len(pool) >= 10 for pool in out.pools)
+
+
+def test_the_served_path_attends_to_the_querys_nearest_items(bundle):
+    from service.index import neighbourhood
+    from service.paths import DiffusionPath, PathQuery
+    from service.sampler import DiffusionSampler
+
+    sampler = DiffusionSampler(bundle.path / "diffusion", threads=1)
+    assert sampler.context == 4
+    seen = []
+    original = sampler.sample
+
+    def recording(query_emb, seed=None, noise=None, context=None):
+        seen.append(context)
+        return original(query_emb, seed, noise, context)
+
+    sampler.sample = recording
+    encoder = Encoder(bundle.encoder_config)
+    answers = DiffusionPath(bundle, encoder, sampler, seed=0)([PathQuery("dog", 10),
+                                                               PathQuery("tool", 5)])
+    assert [len(set(a.selection.rows)) for a in answers] == [10, 5]
+    expected = neighbourhood(bundle.index, bundle.items.embeddings,
+                             encoder.encode(["dog", "tool"]), 4)  # as training looks it up
+    assert np.allclose(seen[0], expected)
 
 
 def test_keep_confident_keeps_the_best_scoring_rows_in_order():
