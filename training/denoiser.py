@@ -3,13 +3,14 @@
 Paper (Table 3): VE-SDE diffusion transformer, d=128, hidden/MLP 1024, 6 layers, 16 heads,
 L=12 rows, 256 probability-flow steps, CFG 0.1 with condition drop 0.1, 53.9M parameters.
 Here: EDM preconditioning (Karras et al. 2022) around a transformer with no positional
-encoding (the block is a set, so the network is permutation-equivariant over rows), conditioned
-on the query embedding and the noise level by adaLN-Zero (DiT, Peebles & Xie 2023) or, as an
-option, by one extra conditioning token. Either way the conditioning vector is also added to
-every row token. Measured on a proxy dataset (400 steps, batch 128, same seed): adaLN-Zero
-reached a lower loss than the token (train 0.873 vs 0.888; at σ = 0.05/0.3/1: 0.877/0.764/0.780
-vs 0.904/0.771/0.788) at equal wall time, hence the default; without the added vector adaLN-Zero
-learnt the query far more slowly (σ = 1: 0.896 vs 0.829 after 250 steps).
+encoding (the block is a set, and the network is permutation-equivariant over rows) unless the
+rows are `ordered` (below), conditioned on the query embedding and the noise level by
+adaLN-Zero (DiT, Peebles & Xie 2023) or, as an option, by one extra conditioning token.
+Either way the conditioning vector is also added to every row token. Measured on a proxy
+dataset (400 steps, batch 128, same seed): adaLN-Zero reached a lower loss than the token
+(train 0.873 vs 0.888; at σ = 0.05/0.3/1: 0.877/0.764/0.780 vs 0.904/0.771/0.788) at equal
+wall time, hence the default; without the added vector adaLN-Zero learnt the query far more
+slowly (σ = 1: 0.896 vs 0.829 after 250 steps).
 
 Context (`context` = C > 0, the `cpu` default): the rows also cross-attend to the embeddings of
 the query's C nearest catalog items, best first, with a learnt rank embedding. The teacher's
@@ -20,10 +21,11 @@ alone (it under-fit its teacher on train queries: coverage@10 0.144 vs 0.171). T
 values of the context are projected once per evaluation and shared by every layer. The null
 condition of CFG drops the context with the query.
 
-Ordered rows (`ordered`, an option): each row carries a learnt position embedding and
-training sorts every target block by its items' cosine to the query, best first, so row i
-learns "the i-th nearest chosen item" and rows stop competing for the same item. The block
-is then a sorted list rather than a set (the network is no longer permutation-equivariant).
+Ordered rows (`ordered`, the `cpu` default, measured to help): each row carries a learnt
+position embedding and training sorts every target block by its items' cosine to the query,
+best first, so row i learns "the i-th nearest chosen item" and rows stop competing for the
+same item. The block is then a sorted list rather than a set (the network is no longer
+permutation-equivariant).
 
 Rows vs slots: with L = k (the default) row i is slot i. With L > k (the paper's 12) training
 fills the L − k extra rows with copies of randomly chosen items of the same block, and serving

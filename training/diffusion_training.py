@@ -2,9 +2,10 @@
 
 Denoising score matching with EDM's loss weighting and log-normal noise levels, AdamW, EMA
 weights, linear warm-up then cosine decay, condition dropout 0.1 (paper, Table 3) for
-classifier-free guidance. Checkpoints land in `models/<bundle>/runs/diffusion/` and a run
-resumes from its checkpoint when its config matches. Outputs next to the checkpoint:
-`loss.json` (curve + ledger), `loss_curve.png`.
+classifier-free guidance. A denoiser with a context also gets, per block, its query's C nearest
+catalog items (`block_neighbourhood`, the same lookup the service makes). Checkpoints land in
+`models/<bundle>/runs/diffusion/` and a run resumes from its checkpoint when its config
+matches. Outputs next to the checkpoint: `loss.json` (curve + ledger), `loss_curve.png`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Neighbourhood:
 
 
 def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray,
-                  n: int) -> Neighbourhood:
+                        n: int) -> Neighbourhood:
     """Search each distinct query embedding once; blocks of one query share its context."""
     _, first, inverse = np.unique(data.query_emb, axis=0, return_index=True,
                                   return_inverse=True)
