@@ -65,6 +65,8 @@ def neighbour_rows(index: faiss.Index, queries: np.ndarray, n: int) -> np.ndarra
     if len(queries) == 0:
         return np.zeros((0, n), dtype=np.int64)
     _, found = search(index, queries, n)  # (Q, ≤ n), -1 where fewer exist
+    if found.shape[1] == n and (found >= 0).all():  # the usual case, no per-query loop
+        return found
     out = np.empty((len(found), n), dtype=np.int64)
     for i, row in enumerate(found):
         valid = row[row >= 0]
