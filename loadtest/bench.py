@@ -26,8 +26,7 @@ from service.decoding import FanoutDecoder
 from service.encoder import Encoder
 from service.fanout import PromptBuilder, item_names, parse_fanout
 from service.grounding import NameGrounding
-from service.index import neighbourhood
-from service.paths import OnnxFanoutBackend
+from service.paths import OnnxFanoutBackend, diffusion_context
 from service.resolution import distinct_nearest
 from service.sampler import DiffusionSampler
 
@@ -76,9 +75,7 @@ def diffusion_batch(queries: list[str], encoder: Encoder, sampler: DiffusionSamp
     q = encoder.encode(queries)  # (B, d)
     clock["encode"] = time.perf_counter() - started
     started = time.perf_counter()
-    context = None  # the query's nearest items, when the denoiser attends to them: a search
-    if sampler.context:
-        context = neighbourhood(bundle.index, bundle.items.embeddings, q, sampler.context)
+    context = diffusion_context(bundle, sampler, q)  # as served: one search, or None
     clock["search"] = time.perf_counter() - started
     started = time.perf_counter()
     rows = sampler.sample(q, seed=0, context=context)  # (B, L, d)

@@ -105,6 +105,15 @@ def select_by_k(
     return [s for s in selections if s is not None], grounded
 
 
+def diffusion_context(bundle: Bundle, sampler: Sampler, queries: np.ndarray) -> np.ndarray | None:
+    """What the served sampler attends to besides the query: the embeddings (B, C, d) of each
+    query's C nearest items, or None when its model has no context (one search)."""
+    n = int(sampler.config.get("context", 0))
+    if not n:
+        return None
+    return neighbourhood(bundle.index, bundle.items.embeddings, queries, n)
+
+
 class DiffusionPath:
     """Query embedding → generated rows (B, L, d) → k distinct nearest items."""
 
@@ -126,13 +135,11 @@ class DiffusionPath:
         clock = StageClock()
         queries = self.encoder.encode([q.text for q in batch])  # (B, d)
         clock.lap("encode")
-        extra: dict[str, np.ndarray] = {}
-        n_context = int(self.sampler.config.get("context", 0))
-        if n_context:  # the query's nearest items, which the denoiser attends to
-            extra["context"] = neighbourhood(self.bundle.index, self.bundle.items.embeddings,
-                                             queries, n_context)  # (B, C, d)
+        context = diffusion_context(self.bundle, self.sampler, queries)  # (B, C, d) or None
+        if context is not None:
             clock.lap("search")
-        rows = np.asarray(self.sampler.sample(queries, seed=self.seed, **extra), dtype=np.float32)
+        rows = np.asarray(self.sampler.sample(queries, seed=self.seed, context=context),
+                          dtype=np.float32)
         if rows.ndim != 3 or rows.shape[0] != len(batch) or rows.shape[2] != queries.shape[1]:
             raise RuntimeError(f"sampler returned shape {rows.shape}, expected (B, L, d)")
         if not np.isfinite(rows).all():

@@ -21,7 +21,7 @@ import onnx
 
 from service.bundle import REPORTS_DIR, Bundle
 from service.encoder import Encoder
-from service.index import neighbourhood
+from service.paths import diffusion_context
 from service.resolution import distinct_nearest
 from service.sampler import CONFIG_FILE, SAMPLER_FILE, STEP_FILE, DiffusionSampler, read_config
 from training.methods import Method, MethodOutput, fanout_output
@@ -80,7 +80,7 @@ def diffusion(bundle: Bundle, k: int = 10, steps: int | None = None, solver: str
     sampler = open_sampler(bundle, steps, solver, threads)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
-        context = sampler_context(bundle, sampler, queries)  # (Q, C, d) or None
+        context = diffusion_context(bundle, sampler, queries)  # (Q, C, d) or None
         rows = sampler.sample(queries, seed=seed, context=context)  # (Q, L, d)
         items, scores = distinct_nearest(bundle.index, rows)  # (Q, L) each
         probes, items = keep_confident(rows, items, scores, k)  # (Q, k, d), (Q, k)
@@ -89,28 +89,19 @@ def diffusion(bundle: Bundle, k: int = 10, steps: int | None = None, solver: str
     return run
 
 
-def sampler_context(bundle: Bundle, sampler: DiffusionSampler,
-                    queries: np.ndarray) -> np.ndarray | None:
-    """The queries' nearest items' embeddings (Q, C, d) when the sampler attends to them."""
-    if not sampler.context:
-        return None
-    return neighbourhood(bundle.index, bundle.items.embeddings, queries, sampler.context)
-
-
 def solver_benchmark(sampler: DiffusionSampler, queries: np.ndarray, batch: int = BENCH_BATCH,
                      repeats: int = 3, context: np.ndarray | None = None) -> dict[str, float]:
     """Solver-only throughput: best of `repeats` passes over `queries` in batches of `batch`
     (the context, when the sampler has one, is looked up beforehand: it is a search)."""
-    def part(start: int) -> dict[str, Any]:
-        end = start + batch
-        return {"context": None if context is None else context[start:end]}
+    def part(start: int) -> np.ndarray | None:
+        return None if context is None else context[start : start + batch]
 
-    sampler.sample(queries[:batch], seed=0, **part(0))  # warm-up
+    sampler.sample(queries[:batch], seed=0, context=part(0))  # warm-up
     best = float("inf")
     for _ in range(repeats):
         began = time.perf_counter()
         for start in range(0, len(queries), batch):
-            sampler.sample(queries[start : start + batch], seed=0, **part(start))
+            sampler.sample(queries[start : start + batch], seed=0, context=part(start))
         best = min(best, time.perf_counter() - began)
     return {"ms_per_query": 1000.0 * best / len(queries), "queries_per_s": len(queries) / best,
             "batch": batch}
@@ -132,7 +123,7 @@ def steps_curve(bundle: Bundle, split: str = "test", steps_list: tuple[int, ...]
             report = evaluate(bundle, "diffusion", split, k, limit, encoder,
                               steps=steps, solver=solver)
             sampler = open_sampler(bundle, steps, solver)
-            context = sampler_context(bundle, sampler, embedded)
+            context = diffusion_context(bundle, sampler, embedded)
             bench = solver_benchmark(sampler, embedded, repeats=1, context=context)
             points.append({"solver": solver, "steps": steps,
                            "evaluations": sampler.config["evaluations"],
