@@ -28,7 +28,7 @@ bundle: install
 	$(R4T) --bundle $(BUNDLE) bundle
 
 eval: bundle
-	$(R4T) --bundle $(BUNDLE) eval --method all --split test
+	$(R4T) --bundle $(BUNDLE) eval --method all --split test --seeds 4
 
 # The main job: build whatever the default bundle lacks (progress bars), then serve it on
 # http://127.0.0.1:8000 (settings: R4T_* environment variables, see service/settings.py).

@@ -11,10 +11,11 @@ and searched as before. Serving, the reward, synthesis and evaluation all resolv
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from service.fanout import item_name
+from service.fanout import context_names, item_name, item_names
 
 NOT_A_NAME = -1
 
@@ -61,3 +62,31 @@ class NameGrounding:
         if len(free):
             probes[free] = encode([texts[i] for i in free])
         return probes, rows
+
+
+class PromptNeighbourhood:
+    """The items a fan-out prompt names, as catalog rows: each query's n nearest distinct names,
+    the query's own name skipped (`service.fanout.context_names`, what the policy's prompt
+    lists), each grounded to its item as the teacher's sub-queries are. This is the set the
+    teacher chooses its 10 lines from, in its order, so the diffusion student that attends to
+    it sees what its teacher saw (`context_source = "prompt"`)."""
+
+    def __init__(self, index: Any, item_texts: Sequence[str], embeddings: np.ndarray,
+                 n: int) -> None:
+        self.index, self.n = index, int(n)
+        self.names = item_names(item_texts)
+        self.grounding = NameGrounding(item_texts, embeddings)
+
+    def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
+        """(Q, n) int64 rows for query texts and embeddings (Q, d), best first; when a query's
+        neighbourhood holds fewer than n names, its rows repeat in order (fixed shape)."""
+        out = np.empty((len(texts), self.n), dtype=np.int64)
+        contexts = context_names(self.index, self.names, queries, self.n, texts)
+        for i, names in enumerate(contexts):
+            owners = np.repeat(queries[i : i + 1], len(names), axis=0)  # (n_i, d)
+            rows = self.grounding.rows(names, owners)
+            rows = rows[rows >= 0]  # every name is an item's, so all are found
+            if not len(rows):
+                raise ValueError(f"no catalog name near query {i} ({texts[i]!r})")
+            out[i] = np.resize(rows, self.n)  # (n,)
+        return out

@@ -25,7 +25,7 @@ from service.bundle import Bundle
 from service.encoder import Encoder, normalize
 from service.errors import BundleError
 from service.fanout import PromptBuilder, parse_fanout
-from service.grounding import NameGrounding
+from service.grounding import NameGrounding, PromptNeighbourhood
 from service.index import neighbourhood
 from service.selection import Selection, select_items
 from service.trie import DECODINGS, NAME_SCOPES, NameConstraint
@@ -105,13 +105,33 @@ def select_by_k(
     return [s for s in selections if s is not None], grounded
 
 
-def diffusion_context(bundle: Bundle, sampler: Sampler, queries: np.ndarray) -> np.ndarray | None:
-    """What the served sampler attends to besides the query: the embeddings (B, C, d) of each
-    query's C nearest items, or None when its model has no context (one search)."""
-    n = int(sampler.config.get("context", 0))
-    if not n:
-        return None
-    return neighbourhood(bundle.index, bundle.items.embeddings, queries, n)
+CONTEXT_SOURCES = ("nearest", "prompt")
+
+
+class DiffusionContext:
+    """What the served sampler attends to besides the query: the embeddings (B, C, d) of C
+    catalog items per query, or None when its model has no context. The source is recorded at
+    export (`context_source` in diffusion.json): "nearest", the query's C nearest items (one
+    search), or "prompt", the C items the fan-out prompt names (`PromptNeighbourhood`)."""
+
+    def __init__(self, bundle: Bundle, config: dict[str, Any]) -> None:
+        self.bundle, self.n = bundle, int(config.get("context", 0))
+        self.source = str(config.get("context_source", "nearest"))
+        if self.source not in CONTEXT_SOURCES:
+            raise BundleError(f"unknown diffusion context source {self.source!r}; "
+                              f"use one of {CONTEXT_SOURCES}")
+        self.prompt = None
+        if self.n and self.source == "prompt":
+            self.prompt = PromptNeighbourhood(bundle.index, bundle.items.texts,
+                                              bundle.items.embeddings, self.n)
+
+    def __call__(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
+        if not self.n:
+            return None
+        if self.prompt is None:
+            return neighbourhood(self.bundle.index, self.bundle.items.embeddings, queries, self.n)
+        rows = self.prompt.rows(texts, queries)  # (B, C)
+        return np.ascontiguousarray(self.bundle.items.embeddings[rows], dtype=np.float32)
 
 
 class DiffusionPath:
@@ -123,6 +143,7 @@ class DiffusionPath:
         self, bundle: Bundle, encoder: Encoder, sampler: Sampler, seed: int | None = None
     ) -> None:
         self.bundle, self.encoder, self.sampler, self.seed = bundle, encoder, sampler, seed
+        self.context = DiffusionContext(bundle, sampler.config)
 
     @property
     def providers(self) -> list[str]:
@@ -135,7 +156,7 @@ class DiffusionPath:
         clock = StageClock()
         queries = self.encoder.encode([q.text for q in batch])  # (B, d)
         clock.lap("encode")
-        context = diffusion_context(self.bundle, self.sampler, queries)  # (B, C, d) or None
+        context = self.context([q.text for q in batch], queries)  # (B, C, d) or None
         if context is not None:
             clock.lap("search")
         rows = np.asarray(self.sampler.sample(queries, seed=self.seed, context=context),

@@ -62,7 +62,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.steps_curve:
         from training.diffusion_methods import run_steps_curve
 
-        run_steps_curve(args.bundle, args.split, args.k, args.limit)
+        run_steps_curve(args.bundle, args.split, args.k, args.limit, args.seeds)
         return
     bundle = load_bundle(args.bundle)
     encoder = Encoder(bundle.encoder_config)
@@ -73,7 +73,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
             options["threads"] = args.threads
         if name in FANOUT_METHODS and args.decoding:
             options["decoding"] = args.decoding
-        report = evaluate(bundle, name, args.split, args.k, args.limit, encoder, **options)
+        report = evaluate(bundle, name, args.split, args.k, args.limit, encoder,
+                          seeds=args.seeds, **options)
         print(f"wrote {write_report(args.bundle, report)}")
     print(results_table(args.bundle))
 
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--k", type=int, default=10)
     ev.add_argument("--limit", type=int, default=None, help="first N queries of the split")
     ev.add_argument("--mmr-lambda", type=float, default=0.7)
+    ev.add_argument("--seeds", type=int, default=1,
+                    help="sampling methods: average over seeds 0..N-1 (per-seed means in "
+                         "eval/diagnostics/)")
     ev.add_argument("--decoding", default=None, choices=DECODINGS,
                     help="AR methods' decoding (default: the served policy's, folm.json)")
     ev.add_argument("--threads", type=int, default=0,

@@ -13,19 +13,37 @@ wall time, hence the default; without the added vector adaLN-Zero learnt the que
 slowly (σ = 1: 0.896 vs 0.829 after 250 steps).
 
 Context (`context` = C > 0, the `cpu` default): the rows also cross-attend to the embeddings of
-the query's C nearest catalog items, best first, with a learnt rank embedding. The teacher's
-prompt carries the names of that neighbourhood (service/fanout.py; names deduplicated and the
-query's own name skipped, which the raw top C here do not do), so the student sees about what
-its teacher saw; without it, the student has to memorise the catalog's geometry from the query
-alone (it under-fit its teacher on train queries: coverage@10 0.144 vs 0.171). The keys and
-values of the context are projected once per evaluation and shared by every layer. The null
-condition of CFG drops the context with the query.
+C catalog items, best first, with a learnt rank embedding; without them, the student has to
+memorise the catalog's geometry from the query alone (it under-fit its teacher on train
+queries: coverage@10 0.144 vs 0.171). `context_source` says which C items:
+- "prompt" (the `cpu` default): exactly the items the teacher's prompt names, in its order
+  (service.grounding.PromptNeighbourhood: the query's nearest distinct names, its own name
+  skipped, each grounded to its item), so the student chooses from the set its teacher chose
+  from. Measured against "nearest" (test / val coverage@10, 4 seeds): 0.179 / 0.170 vs
+  0.151 / 0.151; on train queries 0.171 against its stage-2 targets' 0.176.
+- "nearest": the query's C nearest items. Those share only 14 of 16 items with the prompt's
+  list; the query's own item (40% of queries' nearest, never a teacher's line) and items that
+  repeat a name took 12–16% of the student's picks.
+The keys and values of the context are projected once per evaluation and shared by every
+layer. The null condition of CFG drops the cross-attention to the context with the query.
 
 Ordered rows (`ordered`, the `cpu` default, measured to help): each row carries a learnt
 position embedding and training sorts every target block by its items' cosine to the query,
 best first, so row i learns "the i-th nearest chosen item" and rows stop competing for the
 same item. The block is then a sorted list rather than a set (the network is no longer
 permutation-equivariant).
+
+Context head (`head="context"`): instead of EDM's c_skip·x + c_out·F, the denoiser's output is
+a mixture of the C context embeddings, D = softmax(logits)·context, with logits (B, L, C) from
+each row's final hidden state against a projection of the items plus a learnt rank vector
+(CDCD's "score interpolation", Dieleman et al. 2022). It trains by cross-entropy on which
+context item each target row is; rows whose item is outside the context are left out of the
+loss (4.3% of the default stage-2 rows: the teacher's prompt deduplicates names, and a name
+can stand for an item outside the raw top C). For the other rows the posterior mean E[y | x]
+that D estimates is such a mixture: the vector head has to learn to land on the items, the
+mixture head stays in their convex hull by construction (at w = 0). Its null condition drops
+the query and the cross-attention but still mixes the same items (the head's vocabulary).
+The cross-entropy is unweighted over EDM's log-normal noise levels, unlike CDCD's time warping.
 
 Rows vs slots: with L = k (the default) row i is slot i. With L > k (the paper's 12) training
 fills the L − k extra rows with copies of randomly chosen items of the same block, and serving
@@ -59,9 +77,28 @@ class DenoiserConfig:
     fourier: int = 64  # noise-level Fourier features
     context: int = 0  # C, nearest catalog items the rows cross-attend to; 0 = none
     ordered: bool = False  # rows carry learnt positions; targets sorted by cosine to the query
+    head: str = "vector"  # "vector": EDM-preconditioned output; "context": a mixture of the C items
+    # which C items: "nearest", the query's C nearest; "prompt", the C items the teacher's
+    # prompt names (service.grounding.PromptNeighbourhood)
+    context_source: str = "nearest"
+
+    def __post_init__(self) -> None:
+        if self.head not in ("vector", "context"):
+            raise ValueError(f"head must be 'vector' or 'context', got {self.head!r}")
+        if self.context_source not in ("nearest", "prompt"):
+            raise ValueError(f"context_source must be 'nearest' or 'prompt', "
+                             f"got {self.context_source!r}")
+        if self.head == "context" and self.context == 0:
+            raise ValueError("head='context' mixes the context items: it needs context > 0")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As a dict; a default head and context source are left out, so configs (and the
+        hashes a resumed run must match) written before those options existed stay the same."""
+        config = asdict(self)
+        for name, default in (("head", "vector"), ("context_source", "nearest")):
+            if config[name] == default:
+                del config[name]
+        return config
 
 
 PRESETS: dict[str, DenoiserConfig] = {
@@ -71,7 +108,11 @@ PRESETS: dict[str, DenoiserConfig] = {
     # Sized for 2 CPU cores: 1.48M params, 21.6 MFLOP per query per step (flops_per_step);
     # the 16-item context matches the policy's prompt (PolicyConfig.context). Ordered rows:
     # with the context alone, 7.7 of 10 rows resolved to distinct items (test); ordered, 9.3.
-    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=4, heads=4, context=16, ordered=True),
+    # Its context is the items the teacher's prompt names (test / val coverage@10 over 4 seeds
+    # 0.179 / 0.170, against 0.151 / 0.151 with the query's nearest items). The mixture head
+    # (head="context") scored 0.171 / 0.166 with the same context.
+    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=4, heads=4, context=16, ordered=True,
+                          context_source="prompt"),
     "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
 }
 
@@ -163,7 +204,8 @@ class Block(nn.Module):
 
 
 class SetDenoiser(nn.Module):
-    """F_θ(c_in·x, c_noise, query) → (B, L, d); wrapped by EDM preconditioning in `denoise`."""
+    """F_θ(c_in·x, c_noise, query) → (B, L, d), wrapped by EDM preconditioning in `denoise`;
+    with the context head, logits (B, L, C) over the context items."""
 
     def __init__(self, config: DenoiserConfig) -> None:
         super().__init__()
@@ -193,7 +235,12 @@ class SetDenoiser(nn.Module):
             self.rank = nn.Parameter(torch.zeros(config.context, 2 * h))  # neighbour rank
         self.final_norm = nn.LayerNorm(h, elementwise_affine=not adaln, eps=1e-6)
         self.final_mod = nn.Linear(h, 2 * h) if adaln else None
-        self.head = nn.Linear(h, config.dim)
+        mixture = config.head == "context"
+        if mixture:  # the items the rows choose among, as logit keys
+            self.vocab = nn.Linear(config.dim, h)
+            self.vocab_rank = nn.Parameter(torch.zeros(config.context, h))  # (C, hidden)
+        # zero-initialised: D starts as c_skip·x, or the context's mean with the mixture head
+        self.head = nn.Linear(h, h if mixture else config.dim)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
         if self.final_mod is not None:
@@ -226,6 +273,16 @@ class SetDenoiser(nn.Module):
     def forward(self, x: torch.Tensor, c_noise: torch.Tensor, query: torch.Tensor,
                 keep: torch.Tensor | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:
+        """F (B, L, d) with the vector head; logits (B, L, C) over the context with the
+        mixture head."""
+        out = self.head(self._hidden(x, c_noise, query, keep, context))  # (B, L, d | hidden)
+        if self.config.head == "vector":
+            return out
+        keys = self.vocab(context) + self.vocab_rank  # (B, C, hidden)
+        return out @ keys.transpose(1, 2) / math.sqrt(self.config.hidden)  # (B, L, C)
+
+    def _hidden(self, x: torch.Tensor, c_noise: torch.Tensor, query: torch.Tensor,
+                keep: torch.Tensor | None, context: torch.Tensor | None) -> torch.Tensor:
         c = self.condition(c_noise, query, keep)  # (B, hidden)
         memory = self.context_memory(context, keep)
         # c also enters every row token: with adaLN-Zero's zero-initialised gates and head,
@@ -243,7 +300,7 @@ class SetDenoiser(nn.Module):
         else:
             shift, scale = self.final_mod(nn.functional.silu(c))[:, None, :].chunk(2, dim=-1)
             h = h * (1 + scale) + shift  # (B, L, hidden)
-        return self.head(h)  # (B, L, d)
+        return h
 
 
 def precondition(sigma: torch.Tensor, sigma_data: float) -> tuple[torch.Tensor, ...]:
@@ -259,10 +316,22 @@ def precondition(sigma: torch.Tensor, sigma_data: float) -> tuple[torch.Tensor, 
 def denoise(model: SetDenoiser, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
             keep: torch.Tensor | None = None,
             context: torch.Tensor | None = None) -> torch.Tensor:
-    """D_θ(x; σ, q) = c_skip·x + c_out·F_θ(c_in·x, c_noise, q). x (B, L, d), σ (B,)."""
+    """D_θ(x; σ, q) = c_skip·x + c_out·F_θ(c_in·x, c_noise, q), or with the context head
+    softmax(F_θ(c_in·x, c_noise, q))·context. x (B, L, d), σ (B,)."""
+    if model.config.head == "context":
+        logits = context_logits(model, x, sigma, query, keep, context)  # (B, L, C)
+        return torch.softmax(logits, dim=-1) @ context  # (B, L, C) @ (B, C, d) → (B, L, d)
     c_skip, c_out, c_in, c_noise = precondition(sigma, model.config.sigma_data)
     f = model(c_in[:, None, None] * x, c_noise, query, keep, context)  # (B, L, d)
     return c_skip[:, None, None] * x + c_out[:, None, None] * f
+
+
+def context_logits(model: SetDenoiser, x: torch.Tensor, sigma: torch.Tensor,
+                   query: torch.Tensor, keep: torch.Tensor | None,
+                   context: torch.Tensor) -> torch.Tensor:
+    """The context head's logits (B, L, C) at noisy rows x (B, L, d), σ (B,): what it trains on."""
+    _, _, c_in, c_noise = precondition(sigma, model.config.sigma_data)
+    return model(c_in[:, None, None] * x, c_noise, query, keep, context)
 
 
 def guided_denoise(model: SetDenoiser, x: torch.Tensor, sigma: torch.Tensor,
@@ -289,12 +358,17 @@ def flops_per_step(config: DenoiserConfig, cfg: bool = False) -> int:
 
     Row-wise weights run once per row (and per conditioning token); the conditioning MLPs and
     adaLN modulations run once per query; attention adds 4·n²·hidden per layer, and the context
-    (C items) a cross-attention per layer plus one key/value projection per evaluation.
+    (C items) a cross-attention per layer plus one key/value projection per evaluation. The
+    context head costs per row an h×h projection, C logits and a mixture of C rows of d, and
+    per query one projection of the C items to logit keys.
     """
     h, n, c = config.hidden, config.rows + (config.conditioning == "token"), config.context
     layer = 4 * h * h + 2 * h * config.mlp + (2 * h * h if c else 0)
-    per_row = config.dim * h + h * config.dim + config.layers * layer
+    mixture = config.head == "context"  # head h×h, logits over C, mixture of C rows of d
+    head = h * h + c * h + c * config.dim if mixture else h * config.dim
+    per_row = config.dim * h + head + config.layers * layer
     per_query = config.fourier * h + h * h + config.dim * h + h * h + c * config.dim * 2 * h
+    per_query += c * config.dim * h if mixture else 0  # the items' logit keys
     if config.conditioning == "adaln":
         per_query += config.layers * 6 * h * h + 2 * h * h
     attention = config.layers * 2 * n * (n + c) * h

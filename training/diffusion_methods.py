@@ -21,7 +21,7 @@ import onnx
 
 from service.bundle import REPORTS_DIR, Bundle
 from service.encoder import Encoder
-from service.paths import diffusion_context
+from service.paths import DiffusionContext
 from service.resolution import distinct_nearest
 from service.sampler import CONFIG_FILE, SAMPLER_FILE, STEP_FILE, DiffusionSampler, read_config
 from training.methods import Method, MethodOutput, fanout_output
@@ -78,9 +78,10 @@ def diffusion(bundle: Bundle, k: int = 10, steps: int | None = None, solver: str
     """Eval factory: generated rows (the probes) → k distinct nearest items; the rows share
     one 5,000-item pool."""
     sampler = open_sampler(bundle, steps, solver, threads)
+    lookup = DiffusionContext(bundle, sampler.config)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
-        context = diffusion_context(bundle, sampler, queries)  # (Q, C, d) or None
+        context = lookup(texts, queries)  # (Q, C, d) or None
         rows = sampler.sample(queries, seed=seed, context=context)  # (Q, L, d)
         items, scores = distinct_nearest(bundle.index, rows)  # (Q, L) each
         probes, items = keep_confident(rows, items, scores, k)  # (Q, k, d), (Q, k)
@@ -109,21 +110,24 @@ def solver_benchmark(sampler: DiffusionSampler, queries: np.ndarray, batch: int 
 
 def steps_curve(bundle: Bundle, split: str = "test", steps_list: tuple[int, ...] = STEPS_CURVE,
                 solvers: tuple[str, ...] = ("euler", "heun"), k: int = 10,
-                limit: int | None = None, encoder: Encoder | None = None) -> dict[str, Any]:
-    """Quality and ms/query for each (solver, steps), relative to 256-step Euler (the paper's)."""
+                limit: int | None = None, encoder: Encoder | None = None,
+                seeds: int = 1) -> dict[str, Any]:
+    """Quality (averaged over `seeds` noise seeds) and ms/query for each (solver, steps),
+    relative to 256-step Euler (the paper's)."""
     from training.benchmark import load_split
     from training.evaluation import METHODS, evaluate
 
     METHODS.setdefault("diffusion", diffusion)
     encoder = encoder or Encoder(bundle.encoder_config)
-    embedded = encoder.encode([q.query for q in load_split(bundle.path, split)[:limit]])
+    texts = [q.query for q in load_split(bundle.path, split)[:limit]]
+    embedded = encoder.encode(texts)  # (Q, d)
     points = []
     for solver in solvers:
         for steps in steps_list:
-            report = evaluate(bundle, "diffusion", split, k, limit, encoder,
+            report = evaluate(bundle, "diffusion", split, k, limit, encoder, seeds=seeds,
                               steps=steps, solver=solver)
             sampler = open_sampler(bundle, steps, solver)
-            context = diffusion_context(bundle, sampler, embedded)
+            context = DiffusionContext(bundle, sampler.config)(texts, embedded)
             bench = solver_benchmark(sampler, embedded, repeats=1, context=context)
             points.append({"solver": solver, "steps": steps,
                            "evaluations": sampler.config["evaluations"],
@@ -135,7 +139,7 @@ def steps_curve(bundle: Bundle, split: str = "test", steps_list: tuple[int, ...]
         if reference and reference["coverage@10"]:
             point["coverage_vs_euler256"] = point["coverage@10"] / reference["coverage@10"]
     exported = read_config(bundle.path / "diffusion")
-    return {"split": split, "n_queries": len(embedded), "k": k, "points": points,
+    return {"split": split, "n_queries": len(embedded), "k": k, "seeds": seeds, "points": points,
             "exported": {key: exported[key] for key in ("solver", "steps", "cfg_weight")}}
 
 
@@ -147,7 +151,8 @@ def write_steps_curve(bundle_dir: Path, curve: dict[str, Any]) -> Path:
     path.write_text(json.dumps(curve, indent=2) + "\n")
     columns = ("solver", "steps", "evaluations", "mflop_per_query", "solver_ms_per_query",
                "coverage@10", "recall@5k", "groundedness", "coverage_vs_euler256")
-    lines = [f"# Steps curve ({curve['split']}, {curve['n_queries']} queries)", "",
+    seeds = curve.get("seeds", 1)
+    lines = [f"# Steps curve ({curve['split']}, {curve['n_queries']} queries, {seeds} seeds)", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for point in curve["points"]:
         cells = [_cell(point.get(c)) for c in columns]
@@ -180,12 +185,12 @@ def _cell(value: Any) -> str:
 
 
 def run_steps_curve(bundle_dir: Path, split: str = "test", k: int = 10,
-                    limit: int | None = None) -> Path:
+                    limit: int | None = None, seeds: int = 1) -> Path:
     """`r4t eval --steps-curve`: compute, write and print the curve; returns the JSON path."""
     from service.bundle import load_bundle
 
-    path = write_steps_curve(bundle_dir, steps_curve(load_bundle(bundle_dir), split, k=k,
-                                                     limit=limit))
+    curve = steps_curve(load_bundle(bundle_dir), split, k=k, limit=limit, seeds=seeds)
+    path = write_steps_curve(bundle_dir, curve)
     print(path.with_suffix(".md").read_text())
     return path
 

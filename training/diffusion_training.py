@@ -1,6 +1,7 @@
 """Training the stage-3 denoiser on the stage-2 dataset (query embedding → block of k items).
 
-Denoising score matching with EDM's loss weighting and log-normal noise levels, AdamW, EMA
+Denoising score matching with EDM's loss weighting and log-normal noise levels (or, for the
+context head, cross-entropy over the context items at the same noise levels), AdamW, EMA
 weights, linear warm-up then cosine decay, condition dropout 0.1 (paper, Table 3) for
 classifier-free guidance. A denoiser with a context also gets, per block, its query's C nearest
 catalog items (`block_neighbourhood`, the same lookup the service makes). Checkpoints land in
@@ -22,24 +23,36 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from service.bundle import config_hash, git_commit
 from service.errors import BundleError
+from service.grounding import PromptNeighbourhood
 from service.index import neighbour_rows
-from training.denoiser import DenoiserConfig, SetDenoiser, count_params, denoise, preset
+from training.denoiser import (
+    DenoiserConfig,
+    SetDenoiser,
+    context_logits,
+    count_params,
+    denoise,
+    preset,
+)
 
 RUN_NAME = "diffusion"
 CHECKPOINT = "checkpoint.pt"
 LOSS_FILE = "loss.json"
 CURVE_FILE = "loss_curve.png"
+IN_CONTEXT = 0.9999  # a target row is context item j when their cosine is at least this
 
 
 class BlockDataset(Protocol):
     """What training needs of `training.synthesis.SynthesisDataset` (stage 2)."""
 
+    queries: list[str]
     query_emb: np.ndarray  # (N, d) float32
     target_emb: np.ndarray  # (N, k, d) float32
+    query_index: np.ndarray  # (N,) int64 into `queries`
 
 
 @dataclass(frozen=True)
@@ -55,12 +68,17 @@ class Neighbourhood:
                                                      dtype=np.float32))
 
 
-def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray,
-                        n: int) -> Neighbourhood:
-    """Search each distinct query embedding once; blocks of one query share its context."""
+def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, n: int,
+                        prompt: PromptNeighbourhood | None = None) -> Neighbourhood:
+    """Look each distinct query up once (its n nearest items, or with `prompt` the n items its
+    prompt names); blocks of one query share its context."""
     _, first, inverse = np.unique(data.query_emb, axis=0, return_index=True,
                                   return_inverse=True)
-    rows = neighbour_rows(index, data.query_emb[first], n)  # (U, C)
+    if prompt is None:
+        rows = neighbour_rows(index, data.query_emb[first], n)  # (U, C)
+    else:
+        texts = [data.queries[int(data.query_index[i])] for i in first]
+        rows = prompt.rows(texts, data.query_emb[first])  # (U, C)
     return Neighbourhood(rows[inverse.reshape(-1)], embeddings)  # rows (N, C)
 
 
@@ -80,7 +98,7 @@ class TrainConfig:
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self) | {"model": self.model.to_dict()}  # model: defaults left out
 
 
 TRAIN_PRESETS: dict[str, TrainConfig] = {
@@ -124,16 +142,35 @@ def dsm_loss(model: SetDenoiser, query: torch.Tensor, target: torch.Tensor,
     """EDM loss E_σ λ(σ)‖D(x + σn; σ, q) − x‖², λ = (σ² + σ_d²)/(σ·σ_d)².
 
     ln σ ~ N(P_mean, P_std²); the query is replaced by the null condition with p = cond_drop.
+    With the context head it returns `context_loss` (cross-entropy) at those noise levels.
     """
     b = target.shape[0]
-    sd = config.model.sigma_data
     sigma = torch.exp(config.p_mean + config.p_std * torch.randn(b, generator=generator))  # (B,)
     noisy = target + sigma[:, None, None] * torch.randn(target.shape, generator=generator)
     keep = (torch.rand(b, generator=generator) >= config.model.cond_drop).float()  # (B,)
+    if config.model.head == "context":
+        return context_loss(model, noisy, sigma, query, keep, context, target)
     denoised = denoise(model, noisy, sigma, query, keep, context)  # (B, L, d)
+    sd = config.model.sigma_data
     weight = (sigma**2 + sd**2) / (sigma * sd) ** 2  # (B,)
     per_block = ((denoised - target) ** 2).mean(dim=(1, 2))  # (B,)
     return (weight * per_block).mean()  # = E‖F − F*‖², O(1) by construction
+
+
+def context_loss(model: SetDenoiser, noisy: torch.Tensor, sigma: torch.Tensor,
+                 query: torch.Tensor, keep: torch.Tensor, context: torch.Tensor,
+                 target: torch.Tensor) -> torch.Tensor:
+    """The context head's loss: cross-entropy of each target row's context item, over the
+    rows whose item is in the context (CDCD trains score interpolation this way)."""
+    similarity = target @ context.transpose(1, 2)  # (B, L, C)
+    best, label = similarity.max(dim=-1)  # (B, L) each
+    inside = best >= IN_CONTEXT  # (B, L)
+    if not inside.any():  # fail loudly: e.g. targets stored at lower precision than the catalog
+        raise ValueError("no target row of this batch is one of its context items "
+                         f"(cosine ≥ {IN_CONTEXT}); the context head cannot learn from it")
+    logits = context_logits(model, noisy, sigma, query, keep, context)  # (B, L, C)
+    # (N_in, C) logits and (N_in,) labels of the rows whose item is in the context
+    return nn.functional.cross_entropy(logits[inside], label[inside])
 
 
 @dataclass
@@ -278,11 +315,13 @@ def train(data: BlockDataset, config: TrainConfig, run_dir: Path, fresh: bool = 
                "seed": config.seed, "git_commit": git_commit(),
                "ledger": ledger(state, config, data), "curve": state.curve}
     (run_dir / LOSS_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    plot_curve(state.curve or [], run_dir / CURVE_FILE)
+    label = "context cross-entropy" if config.model.head == "context" else "EDM-weighted DSM loss"
+    plot_curve(state.curve or [], run_dir / CURVE_FILE, label)
     return summary
 
 
-def plot_curve(curve: list[tuple[int, float]], path: Path) -> None:
+def plot_curve(curve: list[tuple[int, float]], path: Path,
+               label: str = "EDM-weighted DSM loss") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,7 +332,7 @@ def plot_curve(curve: list[tuple[int, float]], path: Path) -> None:
         steps, losses = zip(*curve, strict=True)
         ax.plot(steps, losses)
     ax.set_xlabel("step")
-    ax.set_ylabel("EDM-weighted DSM loss")
+    ax.set_ylabel(label)
     ax.set_yscale("log")
     ax.set_title("diffusion training loss")
     fig.tight_layout()
@@ -318,8 +357,12 @@ def cmd_train_diffusion(args: argparse.Namespace) -> None:
         from service.bundle import load_bundle
 
         bundle = load_bundle(args.bundle)
+        prompt = None
+        if config.model.context_source == "prompt":
+            prompt = PromptNeighbourhood(bundle.index, bundle.items.texts,
+                                         bundle.items.embeddings, config.model.context)
         context = block_neighbourhood(data, bundle.index, bundle.items.embeddings,
-                                      config.model.context)
+                                      config.model.context, prompt)
     run_dir = args.run_dir or args.bundle / "runs" / RUN_NAME
     summary = train(data, config, run_dir, fresh=args.fresh, context=context)
     print(json.dumps(summary["ledger"], indent=2))

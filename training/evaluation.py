@@ -7,6 +7,7 @@ report so far in `eval/README.md`.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ DIAGNOSTICS = ("distinct_subqueries", "recall@5k_union", "pool_size", "union_poo
 # name -> factory(bundle, k, **options) -> Method; later stages register their methods here.
 METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS,
                                              "diffusion": diffusion}
+PER_SEED = ("recall@5k", "coverage@10", "reward")  # per-seed means kept in the diagnostics
 DIAGNOSTICS_DIR = "diagnostics"  # per-report extras kept apart so reports keep their exact shape
 
 
@@ -67,17 +69,44 @@ def evaluate(
     k: int = 10,
     limit: int | None = None,
     encoder: Encoder | None = None,
+    seeds: int = 1,
     **options: Any,
 ) -> dict[str, Any]:
-    """Run `method` over `split` in batches and return the report dict."""
+    """Run `method` over `split` in batches and return the report dict. A sampling method
+    (one taking a `seed`) runs with seeds s..s+seeds−1 (s = options' `seed`, else 0) and its
+    metrics average over every (query, seed) pair; the per-seed means go to the diagnostics."""
     if method not in METHODS:
         raise InputError(f"unknown method {method!r}; available: {sorted(METHODS)}")
+    if seeds < 1:
+        raise InputError(f"seeds must be at least 1, got {seeds}")
     queries = load_split(bundle.path, split)[:limit]
     encoder = encoder or Encoder(bundle.encoder_config)
-    run = METHODS[method](bundle, k=k, **options)
+    seeded = "seed" in inspect.signature(METHODS[method]).parameters
+    first = options.pop("seed", 0) if seeded else 0
+    runs: list[list[dict]] = []
+    elapsed = 0.0
+    for seed in range(first, first + (seeds if seeded else 1)):
+        run = METHODS[method](bundle, k=k, **({"seed": seed} if seeded else {}), **options)
+        rows, seconds = _score(bundle, run, queries, encoder, f"eval {method}/{split}")
+        runs.append(rows)
+        elapsed += seconds
+    rows = [row for seed_rows in runs for row in seed_rows]
+    metrics = {name: _mean([r[name] for r in rows]) for name in METRICS[:-1]}
+    metrics["latency_ms_per_query"] = 1000.0 * elapsed / max(len(rows), 1)
+    diagnostics: dict[str, Any] = {name: _mean([r[name] for r in rows]) for name in DIAGNOSTICS}
+    diagnostics["seeds"] = len(runs)
+    diagnostics["per_seed"] = {name: [_mean([r[name] for r in seed_rows]) for seed_rows in runs]
+                               for name in PER_SEED}
+    return {"method": method, "split": split, "n_queries": len(queries), "k": k,
+            "metrics": metrics, "diagnostics": diagnostics}
+
+
+def _score(bundle: Bundle, run: Method, queries: list[BenchmarkQuery], encoder: Encoder,
+           desc: str) -> tuple[list[dict], float]:
+    """Per-query metric rows of one pass of `run` over `queries`, and its seconds."""
     rows: list[dict] = []
     elapsed = 0.0
-    for start in tqdm(range(0, len(queries), BATCH), desc=f"eval {method}/{split}", unit="batch"):
+    for start in tqdm(range(0, len(queries), BATCH), desc=desc, unit="batch"):
         batch = queries[start : start + BATCH]
         texts = [q.query for q in batch]
         began = time.perf_counter()
@@ -91,11 +120,7 @@ def evaluate(
             row["reward"] = terms.total[i]
             row["distinct_subqueries"] = float(terms.n_valid[i])
             rows.append(row)
-    metrics = {name: _mean([r[name] for r in rows]) for name in METRICS[:-1]}
-    metrics["latency_ms_per_query"] = 1000.0 * elapsed / max(len(queries), 1)
-    diagnostics = {name: _mean([r[name] for r in rows]) for name in DIAGNOSTICS}
-    return {"method": method, "split": split, "n_queries": len(queries), "k": k,
-            "metrics": metrics, "diagnostics": diagnostics}
+    return rows, elapsed
 
 
 def _mean(values: list[float]) -> float | None:

@@ -3,7 +3,8 @@
 A method maps query texts (and their embeddings) to k probe embeddings per query, k
 returned items per query and a candidate pool of 5,000 distinct items per query (a fan-out's
 probes share it, POOL_SIZE/k each on average; see `fanout_output`). Fan-out
-methods plug in with `fanout_output`; baselines here: `single` and `mmr`.
+methods plug in with `fanout_output`; baselines here: `single`, `mmr`, `reward-greedy` and
+`prompt-names`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.bundle import Bundle
+from service.grounding import PromptNeighbourhood
 from service.index import search
 from service.resolution import distinct_nearest
 from service.reward import RewardWeights, vendi_score
@@ -145,6 +147,19 @@ def reward_greedy(bundle: Bundle, k: int = 10, candidates: int = MMR_CANDIDATES)
     return run
 
 
+def prompt_names(bundle: Bundle, k: int = 10) -> Method:
+    """The first k items the fan-out prompt names: the query's nearest distinct names, its own
+    name skipped (`service.grounding.PromptNeighbourhood`), as a policy that copied its prompt
+    would return them; the k share one pool."""
+    lookup = PromptNeighbourhood(bundle.index, bundle.items.texts, bundle.items.embeddings, k)
+
+    def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
+        rows = lookup.rows(texts, queries)  # (Q, k)
+        return fanout_output(bundle, bundle.items.embeddings[rows])
+
+    return run
+
+
 BASELINES: dict[str, Callable[..., Method]] = {
-    "single": single, "mmr": mmr, "reward-greedy": reward_greedy,
+    "single": single, "mmr": mmr, "reward-greedy": reward_greedy, "prompt-names": prompt_names,
 }

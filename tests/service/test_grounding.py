@@ -32,3 +32,23 @@ def test_no_text_calls_no_encoder() -> None:
 
     probes, rows = NameGrounding(TEXTS, EMB).probes(["tent"], EMB[[2]], refuse)
     assert rows.tolist() == [2] and probes.shape == (1, 4)
+
+
+def test_prompt_neighbourhood_is_the_items_the_prompt_names_in_its_order() -> None:
+    from service.fanout import PromptBuilder, prompt_context
+    from service.grounding import PromptNeighbourhood
+    from service.index import build_index
+
+    texts = ["tent: a shelter", "Tent, pavilion: a big one", "stove: a cooker",
+             "camping: living outdoors", "lamp: a light", "bass: a fish"]
+    emb = np.eye(6, dtype=np.float32)
+    query = np.array([[0.3, 0.25, 0.2, 0.5, 0.1, 0.0]], dtype=np.float32)
+    query /= np.linalg.norm(query)
+    prompt = PromptNeighbourhood(build_index(emb), texts, emb, 3)
+    rows = prompt.rows(["camping"], query)
+    # nearest first: camping (the query's own name, skipped), tent, Tent (same name), stove
+    assert rows.tolist() == [[0, 2, 4]]
+    names = prompt_context(PromptBuilder(build_index(emb), texts, 3).prompts(["camping"], query)[0])
+    assert [prompt.names[r] for r in rows[0]] == names == ["tent", "stove", "lamp"]
+    wide = PromptNeighbourhood(build_index(emb), texts, emb, 7).rows(["camping"], query)
+    assert wide.tolist() == [[0, 2, 4, 5, 0, 2, 4]]  # four distinct names, repeated in order

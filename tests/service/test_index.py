@@ -43,3 +43,33 @@ def test_missing_neighbours_repeat_the_found_ones_in_order():
     with pytest.raises(ValueError, match="no neighbours"):
         neighbour_rows(_Partial([[-1, -1]]), _unit(1), 2)
     assert neighbour_rows(_Partial([[1]]), np.zeros((0, 16), np.float32), 3).shape == (0, 3)
+
+
+def test_the_diffusion_context_follows_the_source_its_sampler_records(small_bundle_dir):
+    from service.bundle import load_bundle
+    from service.encoder import Encoder
+    from service.errors import BundleError
+    from service.grounding import PromptNeighbourhood
+    from service.paths import DiffusionContext
+
+    bundle = load_bundle(small_bundle_dir)
+    texts = ["dog", "tool"]
+    queries = Encoder(bundle.encoder_config).encode(texts)  # (2, d)
+    assert DiffusionContext(bundle, {"context": 0})(texts, queries) is None
+    nearest = DiffusionContext(bundle, {"context": 4})(texts, queries)  # (2, 4, d)
+    assert np.array_equal(nearest, neighbourhood(bundle.index, bundle.items.embeddings,
+                                                 queries, 4))
+    named = DiffusionContext(bundle, {"context": 4, "context_source": "prompt"})(texts, queries)
+    rows = PromptNeighbourhood(bundle.index, bundle.items.texts, bundle.items.embeddings,
+                               4).rows(texts, queries)
+    assert np.array_equal(named, bundle.items.embeddings[rows])
+    top = neighbour_rows(bundle.index, queries[:1], 1)[0, 0]  # the "dog" vector's nearest item
+    own = PromptNeighbourhood(bundle.index, bundle.items.texts, bundle.items.embeddings,
+                              4).names[top]
+    skipped = DiffusionContext(bundle, {"context": 4, "context_source": "prompt"})([own],
+                                                                                  queries[:1])
+    assert np.array_equal(nearest[0, 0], bundle.items.embeddings[top])
+    # a prompt skips the item named like its query
+    assert not (skipped[0] == bundle.items.embeddings[top]).all(axis=1).any()
+    with pytest.raises(BundleError, match="context source"):
+        DiffusionContext(bundle, {"context": 4, "context_source": "random"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -83,12 +83,15 @@ def neighbour_blocks(bundle_dir: Path, per_query: int = 128, k: int = 10, top: i
     )
 
 
-def tiny_checkpoint(run_dir: Path, rows: int = 10, steps: int = 20, context: int = 0) -> Path:
-    """Train the `tiny` preset for a few steps on synthetic blocks; returns the checkpoint."""
+def tiny_checkpoint(run_dir: Path, rows: int = 10, steps: int = 20, context: int = 0,
+                    **model: Any) -> Path:
+    """Train the `tiny` preset (with `model` overrides) for a few steps on synthetic blocks,
+    whose context is their nearest items whatever the source; returns the checkpoint."""
     from training.denoiser import preset
     from training.diffusion_training import CHECKPOINT, train, train_preset
 
-    config = train_preset("tiny", steps=steps, model=preset("tiny", rows=rows, context=context))
+    model = preset("tiny", rows=rows, context=context, **model)
+    config = train_preset("tiny", steps=steps, model=model)
     data = synthetic_blocks()
     neighbours = synthetic_neighbourhood(data, context) if context else None
     train(data, config, run_dir, progress=False, context=neighbours)

@@ -10,6 +10,7 @@ from tests.training.proxy_dataset import synthetic_blocks, synthetic_neighbourho
 from training.denoiser import (
     PRESETS,
     SetDenoiser,
+    context_logits,
     denoise,
     flops_per_step,
     guided_denoise,
@@ -18,6 +19,7 @@ from training.denoiser import (
 from training.diffusion_training import (
     CHECKPOINT,
     batch_of,
+    context_loss,
     dsm_loss,
     load_ema,
     lr_factor,
@@ -96,6 +98,89 @@ def test_context_conditions_the_rows_and_is_dropped_with_the_query():
         denoise(model, x, sigma, query)
 
 
+def test_context_head_outputs_a_mixture_of_the_context_items():
+    with pytest.raises(ValueError, match="needs context"):
+        preset("tiny", head="context")
+    untrained = SetDenoiser(preset("tiny", context=4, head="context")).eval()
+    x, sigma, query = torch.randn(2, 10, 128), torch.tensor([0.1, 0.5]), torch.randn(2, 128)
+    context = torch.nn.functional.normalize(torch.randn(2, 4, 128), dim=-1)
+    start = denoise(untrained, x, sigma, query, context=context)  # zero head: uniform weights
+    assert torch.allclose(start, context.mean(1, keepdim=True).expand(-1, 10, -1), atol=1e-6)
+    model = _randomised(context=4, head="context")
+    out = denoise(model, x, sigma, query, context=context)  # (2, 10, 128)
+    # each row is a convex combination of its query's 4 items: recover the weights
+    solved = torch.linalg.lstsq(context.transpose(1, 2), out.transpose(1, 2))
+    weights = solved.solution  # (2, 4, 10)
+    assert torch.allclose(weights.transpose(1, 2) @ context, out, atol=1e-5)
+    assert (weights > -1e-5).all()
+    assert torch.allclose(weights.sum(1), torch.ones(2, 10), atol=1e-5)
+    assert weights.max() > 0.5  # not the uniform start
+    dropped = torch.zeros(2)  # the null condition still mixes the same items
+    uncond = denoise(model, x, sigma, query, dropped, context)
+    assert torch.allclose(uncond, denoise(model, x, sigma, -query, dropped, context))
+    guided = guided_denoise(model, x, sigma, query, 0.5, context)
+    assert torch.allclose(guided, out + 0.5 * (out - uncond), atol=1e-6)
+
+
+def test_context_loss_is_the_cross_entropy_of_the_rows_whose_item_is_in_the_context():
+    model = _randomised(context=4, head="context")
+    context = torch.nn.functional.normalize(torch.randn(2, 4, 128), dim=-1)
+    labels = torch.tensor([[0, 3, 1, 2, 3, 0, 0, 1, 2, 3], [2, 2, 1, 0, 3, 1, 0, 0, 1, 3]])
+    target = torch.gather(context, 1, labels[..., None].expand(-1, -1, 128))  # (2, 10, 128)
+    target[:, 5:] = torch.nn.functional.normalize(torch.randn(2, 5, 128), dim=-1)  # outside
+    x, sigma, query = torch.randn(2, 10, 128), torch.tensor([0.1, 0.5]), torch.randn(2, 128)
+    keep = torch.ones(2)
+    logits = context_logits(model, x, sigma, query, keep, context)  # (2, 10, 4)
+    expected = torch.nn.functional.cross_entropy(logits[:, :5].reshape(-1, 4),  # (10, 4)
+                                                 labels[:, :5].reshape(-1))  # (10,)
+    loss = context_loss(model, x, sigma, query, keep, context, target)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="no target row"):
+        context_loss(model, x, sigma, query, keep, context, target[:, 5:].repeat(1, 2, 1))
+
+
+def test_one_training_step_lowers_the_context_heads_loss_on_a_fixed_batch():
+    data = synthetic_blocks()
+    neighbours = synthetic_neighbourhood(data, 16)
+    config = train_preset("tiny", lr=3e-3, warmup=1, model=preset("tiny", context=16,
+                                                                   head="context"))
+    state = new_state(config)
+    query, target, context = batch_of(data, config, torch.Generator().manual_seed(1), neighbours)
+    before = _fixed_loss(state, config, query, target, context)
+    assert before == pytest.approx(math.log(16), rel=1e-4)  # uniform over the 16 at the start
+    state.generator = torch.Generator().manual_seed(7)
+    train_step(state, config, query, target, context)
+    assert _fixed_loss(state, config, query, target, context) < before
+
+
+def test_a_prompt_context_is_the_items_each_querys_prompt_names():
+    from service.grounding import PromptNeighbourhood
+    from service.index import build_index
+    from training.diffusion_training import block_neighbourhood
+
+    data = synthetic_blocks()
+    nearest = np.argsort(-(data.query_emb @ data.catalog.T), axis=1)  # (N, M)
+    texts = [f"item {j}: synthetic" for j in range(len(data.catalog))]
+    texts[nearest[0, 0]] = f"{data.queries[0]}: the query's own item"  # its prompt skips it
+    prompt = PromptNeighbourhood(build_index(data.catalog), texts, data.catalog, 4)
+    neighbours = block_neighbourhood(data, None, data.catalog, 4, prompt)
+    assert neighbours.rows.shape == (len(data.query_emb), 4)
+    for block in range(len(data.query_emb)):
+        start = 1 if data.query_index[block] == 0 else 0
+        assert np.array_equal(neighbours.rows[block], nearest[block, start : start + 4])
+
+
+def test_new_options_keep_old_configs_and_their_hashes():
+    config = preset("cpu", context_source="nearest")
+    assert "head" not in config.to_dict() and "context_source" not in config.to_dict()
+    assert "head" not in train_preset("cpu", model=config).to_dict()["model"]
+    assert type(config)(**config.to_dict()) == config
+    mixed = preset("cpu", head="context", context_source="prompt")
+    assert type(mixed)(**mixed.to_dict()) == mixed
+    with pytest.raises(ValueError, match="context_source"):
+        preset("cpu", context_source="random")
+
+
 def test_ordered_rows_sort_each_block_by_cosine_to_the_query_and_carry_positions():
     config = train_preset("tiny", model=preset("tiny", ordered=True))
     data = synthetic_blocks()
@@ -134,15 +219,16 @@ def test_condition_changes_the_output_and_cfg_zero_is_the_conditional_model():
     assert torch.allclose(guided, cond + 0.5 * (cond - uncond), atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["tiny", "cpu"])
-def test_flops_per_step_matches_a_flop_counter(name):
-    config = PRESETS[name]
+@pytest.mark.parametrize("config", [PRESETS["tiny"], PRESETS["cpu"],
+                                    preset("tiny", context=16, head="context")],
+                         ids=["tiny", "cpu", "tiny-context-head"])
+def test_flops_per_step_matches_a_flop_counter(config):
     model = SetDenoiser(config).eval()
     context = torch.randn(4, config.context, config.dim) if config.context else None
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        model(torch.randn(4, config.rows, config.dim), torch.zeros(4), torch.randn(4, 128),
-              context=context)
+        denoise(model, torch.randn(4, config.rows, config.dim), torch.ones(4),
+                torch.randn(4, 128), context=context)
     assert counter.get_total_flops() / 4 == pytest.approx(flops_per_step(config), rel=0.01)
 
 

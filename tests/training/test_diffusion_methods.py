@@ -59,6 +59,35 @@ def test_the_served_path_attends_to_the_querys_nearest_items(bundle):
     assert np.allclose(seen[0], expected)
 
 
+def test_a_bundle_trained_on_prompt_contexts_serves_with_them(bundle, tmp_path):
+    from service.grounding import PromptNeighbourhood
+    from service.paths import DiffusionPath, PathQuery
+    from service.sampler import DiffusionSampler
+
+    directory = tmp_path / "b"
+    shutil.copytree(bundle.path, directory, ignore=shutil.ignore_patterns("runs"))
+    checkpoint = tiny_checkpoint(tmp_path / "run", context=4, context_source="prompt")
+    export_diffusion(directory, checkpoint, ExportConfig(solver="euler", steps=2))
+    served = load_bundle(directory)
+    sampler = DiffusionSampler(directory / "diffusion", threads=1)
+    assert sampler.config["context_source"] == "prompt"
+    seen = []
+    original = sampler.sample
+
+    def recording(query_emb, seed=None, noise=None, context=None):
+        seen.append(context)
+        return original(query_emb, seed, noise, context)
+
+    sampler.sample = recording
+    encoder = Encoder(served.encoder_config)
+    answers = DiffusionPath(served, encoder, sampler, seed=0)([PathQuery("dog", 10)])
+    assert len(set(answers[0].selection.rows)) == 10
+    queries = encoder.encode(["dog"])
+    rows = PromptNeighbourhood(served.index, served.items.texts, served.items.embeddings,
+                               4).rows(["dog"], queries)
+    assert np.allclose(seen[0], served.items.embeddings[rows])
+
+
 def test_keep_confident_keeps_the_best_scoring_rows_in_order():
     rows = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
     items = np.array([[10, 11, 12, 13], [20, 21, 22, 23]])
@@ -80,3 +109,21 @@ def test_harness_runs_diffusion_and_the_steps_curve(bundle, monkeypatch):
     curve = steps_curve(bundle, "test", steps_list=(1, 2), solvers=("euler",))
     assert [p["evaluations"] for p in curve["points"]] == [1, 2]
     assert all(p["solver_ms_per_query"] > 0 for p in curve["points"])
+
+
+def test_seeds_average_a_sampling_method_over_its_seeds(bundle):
+    from service.errors import InputError
+    from training.evaluation import evaluate
+
+    one = [evaluate(bundle, "diffusion", "test", seeds=1, seed=s)["metrics"] for s in (0, 1)]
+    both = evaluate(bundle, "diffusion", "test", seeds=2)
+    per_seed = both["diagnostics"]["per_seed"]
+    assert both["diagnostics"]["seeds"] == 2
+    for name in ("coverage@10", "recall@5k", "reward"):
+        assert per_seed[name] == pytest.approx([m[name] for m in one])
+        assert both["metrics"][name] == pytest.approx(sum(per_seed[name]) / 2)
+    assert one[0]["reward"] != one[1]["reward"]  # the seeds draw different rows
+    single = evaluate(bundle, "single", "test", seeds=3)  # deterministic: run once
+    assert single["diagnostics"]["seeds"] == 1
+    with pytest.raises(InputError, match="seeds"):
+        evaluate(bundle, "diffusion", "test", seeds=0)

@@ -43,7 +43,7 @@ def test_training_view_of_the_benchmark_is_text_only(small_bundle_dir):
     assert texts == [q.query for q in load_split(small_bundle_dir, "train")]
 
 
-@pytest.mark.parametrize("method", ["single", "mmr", "reward-greedy"])
+@pytest.mark.parametrize("method", ["single", "mmr", "reward-greedy", "prompt-names"])
 def test_report_shape_and_ranges(small_bundle_dir, method):
     bundle = load_bundle(small_bundle_dir)
     report = evaluate(bundle, method, split="train")
