@@ -26,7 +26,7 @@ from service.decoding import FanoutDecoder
 from service.encoder import Encoder
 from service.fanout import PromptBuilder, item_names, parse_fanout
 from service.grounding import NameGrounding
-from service.paths import DiffusionContext, OnnxFanoutBackend
+from service.paths import DiffusionContext, OnnxFanoutBackend, draw_rows
 from service.resolution import distinct_nearest
 from service.sampler import DiffusionSampler
 
@@ -78,7 +78,7 @@ def diffusion_batch(queries: list[str], encoder: Encoder, sampler: DiffusionSamp
     context = lookup(queries, q)  # as served: the sampler's context (a search), or None
     clock["search"] = time.perf_counter() - started
     started = time.perf_counter()
-    rows = sampler.sample(q, seed=0, context=context)  # (B, L, d)
+    rows = draw_rows(bundle.index, sampler, q, 0, context)  # (B, L, d), as served
     clock["solver"] = time.perf_counter() - started
     started = time.perf_counter()
     distinct_nearest(bundle.index, rows[:, :k])

@@ -27,6 +27,7 @@ from service.errors import BundleError
 from service.fanout import PromptBuilder, parse_fanout
 from service.grounding import NameGrounding, PromptNeighbourhood
 from service.index import neighbourhood
+from service.resolution import first_distinct_rows
 from service.selection import Selection, select_items
 from service.trie import DECODINGS, NAME_SCOPES, NameConstraint
 
@@ -134,6 +135,22 @@ class DiffusionContext:
         return np.ascontiguousarray(self.bundle.items.embeddings[rows], dtype=np.float32)
 
 
+def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | None,
+              context: np.ndarray | None) -> np.ndarray:
+    """The sampler's rows (B, L, d) for queries (B, d). With `draws` D > 1 in its config, D
+    blocks per query come from one run over the batch repeated D times, and each query keeps
+    the L rows whose items are the first distinct ones, draw after draw
+    (`first_distinct_rows`): a row that repeats an item is replaced from the next draw."""
+    draws = int(sampler.config.get("draws", 1))
+    if draws == 1:
+        return sampler.sample(queries, seed=seed, context=context)
+    repeated = None if context is None else np.repeat(context, draws, axis=0)  # (B·D, C, d)
+    rows = sampler.sample(np.repeat(queries, draws, axis=0), seed=seed, context=repeated)
+    b, length = len(queries), rows.shape[1]
+    rows = rows.reshape(b, draws * length, rows.shape[2])  # (B, D·L, d), draw after draw
+    return first_distinct_rows(index, rows, length)
+
+
 class DiffusionPath:
     """Query embedding → generated rows (B, L, d) → k distinct nearest items."""
 
@@ -159,8 +176,8 @@ class DiffusionPath:
         context = self.context([q.text for q in batch], queries)  # (B, C, d) or None
         if context is not None:
             clock.lap("search")
-        rows = np.asarray(self.sampler.sample(queries, seed=self.seed, context=context),
-                          dtype=np.float32)
+        rows = np.asarray(draw_rows(self.bundle.index, self.sampler, queries, self.seed,
+                                    context), dtype=np.float32)
         if rows.ndim != 3 or rows.shape[0] != len(batch) or rows.shape[2] != queries.shape[1]:
             raise RuntimeError(f"sampler returned shape {rows.shape}, expected (B, L, d)")
         if not np.isfinite(rows).all():

@@ -51,3 +51,25 @@ def _claim(
     for row, score, slot in zip(picked.rows, picked.scores, picked.slots, strict=True):
         out_rows[slot], out_scores[slot] = row, score
     return out_rows, out_scores.astype(np.float32)
+
+
+def first_distinct_rows(index: faiss.Index, rows: np.ndarray, keep: int) -> np.ndarray:
+    """(Q, R, d) rows in priority order → (Q, keep, d): per query, the rows whose nearest items
+    are the first `keep` distinct ones; a row whose item an earlier row already has gives way
+    to later rows, and fills in, in order, only when too few distinct items are found.
+
+    With several draws of the sampler concatenated draw after draw, a row of the first draw
+    that collides is replaced by the next draws' rows (the teacher never repeats an item).
+    """
+    q, r, d = rows.shape
+    _, top = search(index, rows.reshape(q * r, d), 1)
+    top = top.reshape(q, r)  # (Q, R): each row's nearest item
+    out = np.empty((q, keep, d), dtype=rows.dtype)
+    for i in range(q):
+        seen: set[int] = set()
+        first, later = [], []
+        for j, item in enumerate(top[i].tolist()):
+            (first if item not in seen and len(first) < keep else later).append(j)
+            seen.add(item)
+        out[i] = rows[i, (first + later)[:keep]]  # (keep, d)
+    return out

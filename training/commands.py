@@ -52,7 +52,10 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
                         help="default <bundle>/runs/diffusion/checkpoint.pt")
     export.add_argument("--solver", default=None, choices=("euler", "heun"),
                         help="default euler")
-    export.add_argument("--steps", type=int, default=None, help="solver steps (default 8)")
+    export.add_argument("--steps", type=int, default=None, help="solver steps (default 4)")
+    export.add_argument("--draws", type=int, default=None,
+                        help="blocks sampled per query; a row that repeats an item is "
+                             "replaced from the next block (default 2)")
     export.add_argument("--cfg-weight", type=float, default=None,
                         help="classifier-free guidance w in D = D_c + w·(D_c − D_u) (default 2)")
     export.add_argument("--form", default=None, choices=("unrolled", "loop"),

@@ -42,22 +42,29 @@ STEP_INPUTS = ("x", "sigma", "query")
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """Default: Euler, 4 steps, w = 0 (no guidance): 86 MFLOP per query for the `cpu` preset.
-    Both chosen on the val split of the default bundle's student (recall@5k / coverage@10):
-    - w at Euler 8: w = 0 0.584/0.147, w = 3 0.583/0.145 (its context-only predecessor at
-      w = 0, 1, 2, 3, 5: 0.586/0.148, 0.585/0.148, 0.581/0.150, 0.582/0.146, 0.580/0.153).
-      Once the denoiser sees the query's neighbourhood, guidance buys nothing measurable and
-      doubles the cost. (Before the context, w = 3 was chosen: coverage 0.097 at w = 1, 0.130
-      at w = 3.)
-    - steps at w = 0: Euler 4 0.592/0.149, Euler 8 0.584/0.147, Euler 256 0.579/0.148 (the
-      steps curve, `r4t eval --steps-curve --split val`)."""
+    """Default: Euler, 4 steps, w = 0 (no guidance), 2 draws: 172 MFLOP per query for the `cpu`
+    preset. All chosen on the val split (recall@5k / coverage@10):
+    - w at Euler 8: w = 0 0.584/0.147, w = 3 0.583/0.145 (an earlier student at w = 0, 1, 2,
+      3, 5: 0.586/0.148, 0.585/0.148, 0.581/0.150, 0.582/0.146, 0.580/0.153). Once the denoiser
+      sees the query's neighbourhood, guidance buys nothing measurable and doubles the cost.
+      (Before the context, w = 3 was chosen: coverage 0.097 at w = 1, 0.130 at w = 3.)
+    - steps at w = 0, the current student, 4 seeds: Euler 4 0.587/0.170, Euler 8 0.582/0.168,
+      Euler 256 0.579/0.167 (`r4t eval --steps-curve --split val --seeds 4`).
+    - draws, 4 seeds: 1 → 0.587/0.170, 2 → 0.588/0.174 (test 0.580/0.179 → 0.578/0.188;
+      train 0.607/0.173 → 0.609/0.172). The student's 10 rows hold 9.4 distinct items on
+      average; its teacher never repeats one, and the second draw fills the repeats."""
 
     solver: str = "euler"
     steps: int = 4
     cfg_weight: float = 0.0
     form: str = "unrolled"  # "unrolled" or "loop"
+    draws: int = 2  # blocks sampled per query; rows that repeat an item come from the next
     parity_batch: int = 4
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.draws < 1:
+            raise ValueError(f"draws must be at least 1, got {self.draws}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -275,7 +282,8 @@ def sampler_evaluations_flops(config: dict[str, Any], solver: str, steps: int) -
 
     nfe = solver_evaluations(solver, steps)
     guided = float(config["cfg_weight"]) != 0.0
-    return nfe, nfe * flops_per_step(DenoiserConfig(**config["model"]), cfg=guided)
+    draws = int(config.get("draws", 1))
+    return nfe, draws * nfe * flops_per_step(DenoiserConfig(**config["model"]), cfg=guided)
 
 
 def sampler_config(model: SetDenoiser, config: ExportConfig) -> dict[str, Any]:
@@ -291,7 +299,8 @@ def sampler_config(model: SetDenoiser, config: ExportConfig) -> dict[str, Any]:
         "sigma_min": mc.sigma_min, "sigma_max": mc.sigma_max, "sigma_data": mc.sigma_data,
         "schedule": "EDM, rho=7, final sigma 0", "output": "unit-norm rows",
         "params": count_params(model), "preset": preset_name(model),
-        "flops_per_query": nfe * flops_per_step(mc, cfg=config.cfg_weight != 0.0),
+        "draws": config.draws,
+        "flops_per_query": config.draws * nfe * flops_per_step(mc, cfg=config.cfg_weight != 0),
         "sampler_file": "sampler.onnx", "step_file": "step.onnx", "model": mc.to_dict(),
     }
 
@@ -358,7 +367,7 @@ def cmd_export_diffusion(args: argparse.Namespace) -> None:
     if not checkpoint.is_file():
         raise BundleError(f"no checkpoint at {checkpoint}: run `r4t train diffusion` first")
     chosen = {name: getattr(args, name) for name in
-              ("solver", "steps", "cfg_weight", "form", "parity_batch")
+              ("solver", "steps", "cfg_weight", "form", "draws", "parity_batch")
               if getattr(args, name) is not None}
     config = ExportConfig(**chosen)
     meta = export_diffusion(args.bundle, checkpoint, config)

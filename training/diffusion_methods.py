@@ -21,7 +21,7 @@ import onnx
 
 from service.bundle import REPORTS_DIR, Bundle
 from service.encoder import Encoder
-from service.paths import DiffusionContext
+from service.paths import DiffusionContext, draw_rows
 from service.resolution import distinct_nearest
 from service.sampler import CONFIG_FILE, SAMPLER_FILE, STEP_FILE, DiffusionSampler, read_config
 from training.methods import Method, MethodOutput, fanout_output
@@ -82,7 +82,7 @@ def diffusion(bundle: Bundle, k: int = 10, steps: int | None = None, solver: str
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
         context = lookup(texts, queries)  # (Q, C, d) or None
-        rows = sampler.sample(queries, seed=seed, context=context)  # (Q, L, d)
+        rows = draw_rows(bundle.index, sampler, queries, seed, context)  # (Q, L, d)
         items, scores = distinct_nearest(bundle.index, rows)  # (Q, L) each
         probes, items = keep_confident(rows, items, scores, k)  # (Q, k, d), (Q, k)
         return fanout_output(bundle, probes, items)
@@ -94,15 +94,19 @@ def solver_benchmark(sampler: DiffusionSampler, queries: np.ndarray, batch: int 
                      repeats: int = 3, context: np.ndarray | None = None) -> dict[str, float]:
     """Solver-only throughput: best of `repeats` passes over `queries` in batches of `batch`
     (the context, when the sampler has one, is looked up beforehand: it is a search)."""
-    def part(start: int) -> np.ndarray | None:
-        return None if context is None else context[start : start + batch]
+    draws = int(sampler.config.get("draws", 1))  # as served: the batch repeated per draw
 
-    sampler.sample(queries[:batch], seed=0, context=part(0))  # warm-up
+    def run(start: int) -> np.ndarray:
+        part = None if context is None else np.repeat(context[start : start + batch], draws, 0)
+        return sampler.sample(np.repeat(queries[start : start + batch], draws, 0), seed=0,
+                              context=part)
+
+    run(0)  # warm-up
     best = float("inf")
     for _ in range(repeats):
         began = time.perf_counter()
         for start in range(0, len(queries), batch):
-            sampler.sample(queries[start : start + batch], seed=0, context=part(start))
+            run(start)
         best = min(best, time.perf_counter() - began)
     return {"ms_per_query": 1000.0 * best / len(queries), "queries_per_s": len(queries) / best,
             "batch": batch}

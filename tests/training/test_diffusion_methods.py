@@ -88,6 +88,37 @@ def test_a_bundle_trained_on_prompt_contexts_serves_with_them(bundle, tmp_path):
     assert np.allclose(seen[0], served.items.embeddings[rows])
 
 
+def test_draws_sample_the_batch_again_and_replace_repeated_items(bundle, tmp_path):
+    from service.paths import DiffusionPath, PathQuery
+    from service.sampler import DiffusionSampler
+
+    directory = tmp_path / "b"
+    shutil.copytree(bundle.path, directory, ignore=shutil.ignore_patterns("runs"))
+    checkpoint = tiny_checkpoint(tmp_path / "run", context=4)
+    one = export_diffusion(directory, checkpoint, ExportConfig(solver="euler", steps=2))
+    two = export_diffusion(directory, checkpoint, ExportConfig(solver="euler", steps=2, draws=2))
+    assert two["draws"] == 2 and two["flops_per_query"] == 2 * one["flops_per_query"]
+    served = load_bundle(directory)
+    sampler = DiffusionSampler(directory / "diffusion", threads=1)
+    batches = []
+    original = sampler.sample
+
+    def recording(query_emb, seed=None, noise=None, context=None):
+        batches.append((len(query_emb), None if context is None else len(context)))
+        return original(query_emb, seed, noise, context)
+
+    sampler.sample = recording
+    answers = DiffusionPath(served, Encoder(served.encoder_config), sampler, seed=0)(
+        [PathQuery("dog", 10), PathQuery("tool", 10)])
+    assert batches == [(4, 4)]  # one run over the batch repeated per draw
+    assert [len(set(a.selection.rows)) for a in answers] == [10, 10]
+    out = diffusion(served, k=10)(["dog", "tool"], Encoder(served.encoder_config).encode(
+        ["dog", "tool"]))
+    assert out.items.shape == (2, 10) and all(len(set(r.tolist())) == 10 for r in out.items)
+    with pytest.raises(ValueError, match="draws"):
+        ExportConfig(draws=0)
+
+
 def test_keep_confident_keeps_the_best_scoring_rows_in_order():
     rows = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
     items = np.array([[10, 11, 12, 13], [20, 21, 22, 23]])
