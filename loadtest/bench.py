@@ -142,7 +142,8 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path)
     report = {"machine": machine(), "matmul_peak_gflops": peak, "threads": threads,
               "providers": {"diffusion": sampler.providers, "ar": decoder.providers},
               "sampler": {key: sampler.config.get(key) for key in
-                          ("solver", "steps", "cfg_weight", "params", "flops_per_query", "rows")},
+                          ("solver", "steps", "cfg_weight", "draws", "context_source", "params",
+                           "flops_per_query", "rows")},
               "folm": {key: decoder.config.get(key) for key in ("params", "max_new_tokens")}
               | {"decoding": served.decoding},
               "rows": rows}
@@ -176,6 +177,7 @@ def markdown(report: dict) -> str:
         f"ar={report['providers']['ar'][0]}, threads={report['threads'] or 'default'}",
         f"- measured fp32 matmul peak: {report['matmul_peak_gflops']:.1f} GFLOP/s",
         f"- diffusion sampler: {s['solver']}, {s['steps']} steps, CFG w={s['cfg_weight']}, "
+        f"{s.get('draws') or 1} draw(s), context {s.get('context_source') or 'nearest'}, "
         f"{s['params']:,} params, {s['flops_per_query'] / 1e6:.0f} MFLOP/query",
         f"- AR fan-out model: {report['folm']['params']:,} params, greedy, "
         f"{report['folm'].get('decoding', 'lines')} decoding, "

@@ -1,9 +1,11 @@
 """The two retrieval paths. Each takes a batch of queries and returns, per query, k distinct
 items, the content-side groundedness of its probes and the batch's per-stage timings.
 
-- diffusion: encode → [the query's nearest items, when the denoiser attends to them] → the
-  exported sampler (whole solver loop in ONNX Runtime) → nearest item per generated row →
-  deduplicate (next-best neighbour on collisions);
+- diffusion: encode → [its context, when the denoiser attends to one: the query's nearest
+  items or the items the fan-out prompt names, as `context_source` in diffusion.json says] →
+  the exported sampler (whole solver loop in ONNX Runtime; with `draws` D > 1 over the batch
+  repeated D times, a row that repeats an item replaced from the next draw) → nearest item
+  per generated row → deduplicate (next-best neighbour on collisions);
 - autoregressive: encode → the query's nearest catalog names (the prompt's context) → the
   fan-out model (ONNX decoder with a KV cache, or an OpenAI-compatible endpoint) → parse
   sub-queries → encode → nearest item per sub-query → deduplicate. A
@@ -121,7 +123,7 @@ class DiffusionContext:
         if self.source not in CONTEXT_SOURCES:
             raise BundleError(f"unknown diffusion context source {self.source!r}; "
                               f"use one of {CONTEXT_SOURCES}")
-        self.prompt = None
+        self.prompt: PromptNeighbourhood | None = None
         if self.n and self.source == "prompt":
             self.prompt = PromptNeighbourhood(bundle.index, bundle.items.texts,
                                               bundle.items.embeddings, self.n)
@@ -142,13 +144,17 @@ def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | Non
     the L rows whose items are the first distinct ones, draw after draw
     (`first_distinct_rows`): a row that repeats an item is replaced from the next draw."""
     draws = int(sampler.config.get("draws", 1))
+    if draws < 1:
+        raise BundleError(f"diffusion.json: draws must be at least 1, got {draws}")
     if draws == 1:
         return sampler.sample(queries, seed=seed, context=context)
     repeated = None if context is None else np.repeat(context, draws, axis=0)  # (B·D, C, d)
     rows = sampler.sample(np.repeat(queries, draws, axis=0), seed=seed, context=repeated)
-    b, length = len(queries), rows.shape[1]
+    b, length = len(queries), rows.shape[1]  # rows (B·D, L, d), each query's draws adjacent
+    if rows.shape[0] != b * draws:
+        raise RuntimeError(f"sampler returned {rows.shape[0]} blocks for {b * draws}")
     rows = rows.reshape(b, draws * length, rows.shape[2])  # (B, D·L, d), draw after draw
-    return first_distinct_rows(index, rows, length)
+    return first_distinct_rows(index, rows, length, context)
 
 
 class DiffusionPath:

@@ -53,21 +53,29 @@ def _claim(
     return out_rows, out_scores.astype(np.float32)
 
 
-def first_distinct_rows(index: faiss.Index, rows: np.ndarray, keep: int) -> np.ndarray:
-    """(Q, R, d) rows in priority order → (Q, keep, d): per query, the rows whose nearest items
-    are the first `keep` distinct ones; a row whose item an earlier row already has gives way
-    to later rows, and fills in, in order, only when too few distinct items are found.
+def first_distinct_rows(index: faiss.Index, rows: np.ndarray, keep: int,
+                        context: np.ndarray | None = None) -> np.ndarray:
+    """(Q, R, d) rows in priority order → (Q, keep, d): per query, the rows whose items are the
+    first `keep` distinct ones; a row whose item an earlier row already has gives way to later
+    rows, and fills in, in order, only when too few distinct items are found.
 
+    A row's item is its nearest of the query's context items (B, C, d) when given — the
+    student picks among them, and 20 dot products per row cost nothing — else its nearest
+    catalog item (one exact search per row: more than the solver itself costs).
     With several draws of the sampler concatenated draw after draw, a row of the first draw
     that collides is replaced by the next draws' rows (the teacher never repeats an item).
     """
     q, r, d = rows.shape
-    _, top = search(index, rows.reshape(q * r, d), 1)
-    top = top.reshape(q, r)  # (Q, R): each row's nearest item
+    if context is not None:
+        top = np.argmax(rows @ context.transpose(0, 2, 1), axis=2)  # (Q, R) context position
+    else:
+        _, found = search(index, rows.reshape(q * r, d), 1)  # (Q·R, 1)
+        top = found.reshape(q, r)  # (Q, R): each row's nearest catalog item
     out = np.empty((q, keep, d), dtype=rows.dtype)
     for i in range(q):
         seen: set[int] = set()
-        first, later = [], []
+        first: list[int] = []
+        later: list[int] = []
         for j, item in enumerate(top[i].tolist()):
             (first if item not in seen and len(first) < keep else later).append(j)
             seen.add(item)

@@ -3,8 +3,10 @@
 `diffusion/sampler.onnx` maps query embeddings (B, d) and standard-normal noise (B, L, d) to
 L generated unit rows per query in one `session.run`; resolving rows to catalog items is
 `service.resolution.distinct_nearest`. A model with a context (`context` = C in
-diffusion.json) also takes the embeddings of each query's C nearest catalog items (B, C, d),
-best first, which `service.index.neighbourhood` looks up. ONNX Runtime's CUDA provider is
+diffusion.json) also takes the embeddings of C catalog items per query (B, C, d), best first:
+its nearest, or those its fan-out prompt names (`context_source`), as
+`service.paths.DiffusionContext` looks them up. Several draws per query (`draws`) are the
+caller's: `service.paths.draw_rows`. ONNX Runtime's CUDA provider is
 used when available. `StepSampler` runs the same solver as a host loop over
 `diffusion/step.onnx` with IO binding (query and context bound once on the device; the graph
 for GPU runners that manage their own buffers).
@@ -67,8 +69,8 @@ class DiffusionSampler:
         expected = (len(query), self.context, self.dim)
         if context is None or context.shape != expected:
             got = None if context is None else context.shape
-            raise ValueError(f"this sampler needs context {expected} (the queries' nearest "
-                             f"items, `neighbourhood`), got {got}")
+            raise ValueError(f"this sampler needs context {expected} (see "
+                             f"service.paths.DiffusionContext), got {got}")
         return {"query": query, CONTEXT_INPUT: np.ascontiguousarray(context, dtype=np.float32)}
 
     def sample(self, query_emb: np.ndarray, seed: int | None = None,

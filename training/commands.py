@@ -34,6 +34,10 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
     train = subcommand_group(sub, "train", "train models").add_parser(
         "diffusion", help="train the stage-3 diffusion denoiser")
     train.add_argument("--preset", default="cpu", help="cpu (default), paper or tiny")
+    train.add_argument("--head", default=None, choices=("vector", "context"),
+                       help="denoiser output: EDM vector (default) or a mixture of the context")
+    train.add_argument("--context-source", default=None, choices=("nearest", "prompt"),
+                       help="the context items: the prompt's (cpu default) or the nearest")
     train.add_argument("--steps", type=int, default=None, help="override the preset's steps")
     train.add_argument("--batch", type=int, default=None)
     train.add_argument("--lr", type=float, default=None)

@@ -38,10 +38,11 @@ a mixture of the C context embeddings, D = softmax(logits)·context, with logits
 each row's final hidden state against a projection of the items plus a learnt rank vector
 (CDCD's "score interpolation", Dieleman et al. 2022). It trains by cross-entropy on which
 context item each target row is; rows whose item is outside the context are left out of the
-loss (4.3% of the default stage-2 rows: the teacher's prompt deduplicates names, and a name
-can stand for an item outside the raw top C). For the other rows the posterior mean E[y | x]
-that D estimates is such a mixture: the vector head has to learn to land on the items, the
-mixture head stays in their convex hull by construction (at w = 0). Its null condition drops
+loss (with `context_source="nearest"`, 4.3% of the default stage-2 rows: the prompt's names
+are deduplicated and skip the query's own, so some stand for items beyond the raw top C). For
+the other rows the posterior mean E[y | x] that D estimates is such a mixture: the vector head
+has to learn to land on the items, the mixture head stays in their convex hull by
+construction (at w = 0). Measured worse than the vector head (see the `cpu` preset). Its null condition drops
 the query and the cross-attention but still mixes the same items (the head's vocabulary).
 The cross-entropy is unweighted over EDM's log-normal noise levels, unlike CDCD's time warping.
 

@@ -4,11 +4,12 @@
   query (B,d), and context (B,C,d) when the model has one; output denoised (B,L,d)), exported
   by torch.onnx's dynamo exporter; CFG is folded in as D = D_c + w·(D_c − D_u). This is the
   graph for GPU serving with IO binding.
-- `sampler.onnx`: the whole solver (inputs query (B,d), [context (B,C,d): the embeddings of the
-  query's C nearest catalog items, best first], noise (B,L,d) standard normal; output rows
+- `sampler.onnx`: the whole solver (inputs query (B,d), [context (B,C,d): the embeddings of C
+  catalog items, best first, per `context_source`], noise (B,L,d) standard normal; output rows
   (B,L,d), unit-norm), composed from the step graph: either unrolled (one copy of the step's
   nodes per evaluation, sharing the weights) or as an ONNX `Loop` whose body holds the step;
-  both run in one `session.run`.
+  both run in one `session.run`. Several draws per query (`draws`) are not in the graph: the
+  service runs it over the batch repeated (`service.paths.draw_rows`).
 """
 
 from __future__ import annotations

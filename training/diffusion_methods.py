@@ -1,8 +1,10 @@
 """The diffusion retriever in the evaluation harness: method `diffusion`, the steps curve, gaps.
 
 `diffusion(bundle, k, steps=None)` runs the bundle's exported sampler (`diffusion/sampler.onnx`)
-through `service.sampler.DiffusionSampler` and resolves the generated rows to k distinct items
-(`distinct_nearest`; with L > k rows the k most confident resolutions are kept). The generated
+through `service.sampler.DiffusionSampler` as the service does (its context looked up by
+`service.paths.DiffusionContext`, its draws by `service.paths.draw_rows`) and resolves the
+generated rows to k distinct items (`distinct_nearest`; with L > k rows the k most confident
+resolutions are kept). The generated
 rows are the probes, so the harness scores their content-side groundedness. With `steps` (or
 `solver`) given, a sampler with that schedule is composed from the bundle's `step.onnx`.
 """
@@ -144,7 +146,8 @@ def steps_curve(bundle: Bundle, split: str = "test", steps_list: tuple[int, ...]
             point["coverage_vs_euler256"] = point["coverage@10"] / reference["coverage@10"]
     exported = read_config(bundle.path / "diffusion")
     return {"split": split, "n_queries": len(embedded), "k": k, "seeds": seeds, "points": points,
-            "exported": {key: exported[key] for key in ("solver", "steps", "cfg_weight")}}
+            "exported": {key: exported.get(key) for key in ("solver", "steps", "cfg_weight",
+                                                             "draws", "context_source")}}
 
 
 def write_steps_curve(bundle_dir: Path, curve: dict[str, Any]) -> Path:

@@ -3,8 +3,9 @@
 Denoising score matching with EDM's loss weighting and log-normal noise levels (or, for the
 context head, cross-entropy over the context items at the same noise levels), AdamW, EMA
 weights, linear warm-up then cosine decay, condition dropout 0.1 (paper, Table 3) for
-classifier-free guidance. A denoiser with a context also gets, per block, its query's C nearest
-catalog items (`block_neighbourhood`, the same lookup the service makes). Checkpoints land in
+classifier-free guidance. A denoiser with a context also gets, per block, C catalog items: its
+query's nearest, or those its teacher's prompt named (`context_source`; `block_neighbourhood`,
+the same lookup the service makes). Checkpoints land in
 `models/<bundle>/runs/diffusion/` and a run resumes from its checkpoint when its config
 matches. Outputs next to the checkpoint: `loss.json` (curve + ledger), `loss_curve.png`.
 """
@@ -348,6 +349,10 @@ def cmd_train_diffusion(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = train_preset(args.preset, **overrides)
+    model = {name: getattr(args, name, None) for name in ("head", "context_source")}
+    if any(model.values()):
+        config = replace(config, model=replace(config.model, **{k: v for k, v in model.items()
+                                                                if v is not None}))
     try:
         data = load_dataset(args.dataset or args.bundle / "runs" / "synthesis")
     except FileNotFoundError as exc:

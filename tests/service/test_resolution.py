@@ -34,3 +34,5 @@ def test_first_distinct_rows_replace_a_repeated_item_from_later_rows():
     assert np.array_equal(kept[0], rows[0, [0, 1, 3]])  # the second "1" gives way to a "2"
     # only two distinct items: the first repeat fills the last slot
     assert np.array_equal(kept[1], rows[1, [0, 4, 1]])
+    # the items as a context: the same choice without a catalog search
+    assert np.array_equal(first_distinct_rows(index, rows, 3, np.stack([catalog, catalog])), kept)

@@ -5,6 +5,8 @@ import pytest
 
 from service.bundle import load_bundle
 from service.encoder import Encoder
+from service.paths import draw_rows
+from service.resolution import first_distinct_rows
 from tests.training.proxy_dataset import tiny_checkpoint
 from training.diffusion_export import ExportConfig, export_diffusion
 from training.diffusion_methods import diffusion, gaps, keep_confident, steps_curve
@@ -21,7 +23,7 @@ def bundle(small_bundle_dir, tmp_path_factory):
     directory = tmp_path_factory.mktemp("diffusion-bundle") / "b"
     shutil.copytree(small_bundle_dir, directory)
     checkpoint = tiny_checkpoint(directory / "runs" / "diffusion", rows=12, context=4)
-    export_diffusion(directory, checkpoint, ExportConfig(solver="heun", steps=2))
+    export_diffusion(directory, checkpoint, ExportConfig(solver="heun", steps=2, draws=1))
     return load_bundle(directory)
 
 
@@ -95,26 +97,35 @@ def test_draws_sample_the_batch_again_and_replace_repeated_items(bundle, tmp_pat
     directory = tmp_path / "b"
     shutil.copytree(bundle.path, directory, ignore=shutil.ignore_patterns("runs"))
     checkpoint = tiny_checkpoint(tmp_path / "run", context=4)
-    one = export_diffusion(directory, checkpoint, ExportConfig(solver="euler", steps=2))
+    one = export_diffusion(directory, checkpoint, ExportConfig(solver="euler", steps=2, draws=1))
     two = export_diffusion(directory, checkpoint, ExportConfig(solver="euler", steps=2, draws=2))
     assert two["draws"] == 2 and two["flops_per_query"] == 2 * one["flops_per_query"]
     served = load_bundle(directory)
     sampler = DiffusionSampler(directory / "diffusion", threads=1)
-    batches = []
+    batches, raw = [], []
     original = sampler.sample
 
     def recording(query_emb, seed=None, noise=None, context=None):
         batches.append((len(query_emb), None if context is None else len(context)))
-        return original(query_emb, seed, noise, context)
+        raw.append((original(query_emb, seed, noise, context), context))
+        return raw[-1][0]
 
     sampler.sample = recording
     answers = DiffusionPath(served, Encoder(served.encoder_config), sampler, seed=0)(
         [PathQuery("dog", 10), PathQuery("tool", 10)])
     assert batches == [(4, 4)]  # one run over the batch repeated per draw
     assert [len(set(a.selection.rows)) for a in answers] == [10, 10]
-    out = diffusion(served, k=10)(["dog", "tool"], Encoder(served.encoder_config).encode(
-        ["dog", "tool"]))
-    assert out.items.shape == (2, 10) and all(len(set(r.tolist())) == 10 for r in out.items)
+    rows, context = raw[0]  # (4, 10, d): dog, dog, tool, tool
+    kept = draw_rows(served.index, sampler, Encoder(served.encoder_config).encode(["dog", "tool"]),
+                     0, context[::2])  # (2, 10, d)
+    expected = first_distinct_rows(served.index, rows.reshape(2, 20, -1), 10, context[::2])
+    assert np.array_equal(kept, expected)
+    picked = np.argmax(kept @ context[::2].transpose(0, 2, 1), axis=2)  # (2, 10)
+    first = np.argmax(rows[::2] @ context[::2].transpose(0, 2, 1), axis=2)  # draw 1's picks
+    for q in range(2):  # draw 1's repeats are gone while draw 2 offered new items
+        offered = set(np.argmax(rows[2 * q + 1] @ context[2 * q].T, axis=1).tolist())
+        if len(set(first[q].tolist()) | offered) >= 10:
+            assert len(set(picked[q].tolist())) == 10
     with pytest.raises(ValueError, match="draws"):
         ExportConfig(draws=0)
 
