@@ -42,8 +42,9 @@ loss (with `context_source="nearest"`, 4.3% of the default stage-2 rows: the pro
 are deduplicated and skip the query's own, so some stand for items beyond the raw top C). For
 the other rows the posterior mean E[y | x] that D estimates is such a mixture: the vector head
 has to learn to land on the items, the mixture head stays in their convex hull by
-construction (at w = 0). Measured worse than the vector head (see the `cpu` preset). Its null condition drops
-the query and the cross-attention but still mixes the same items (the head's vocabulary).
+construction (at w = 0). Measured worse than the vector head (see the `cpu` preset). Its null
+condition drops the query and the cross-attention but still mixes the same items (the head's
+vocabulary).
 The cross-entropy is unweighted over EDM's log-normal noise levels, unlike CDCD's time warping.
 
 Rows vs slots: with L = k (the default) row i is slot i. With L > k (the paper's 12) training
