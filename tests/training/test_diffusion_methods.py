@@ -1,3 +1,4 @@
+import json
 import shutil
 
 import numpy as np
@@ -37,6 +38,28 @@ def test_resolution_returns_k_distinct_ids(bundle):
         assert all(len(pool) >= 10 for pool in out.pools)
 
 
+def _record(sampler):
+    """Wrap `sampler.sample` to keep the (rows, context) of every call."""
+    calls = []
+    original = sampler.sample
+
+    def recording(query_emb, seed=None, noise=None, context=None):
+        calls.append((original(query_emb, seed, noise, context), context))
+        return calls[-1][0]
+
+    sampler.sample = recording
+    return calls
+
+
+def _exported_copy(bundle, tmp_path, config, **model):
+    """A copy of the bundle whose diffusion stage is a fresh tiny model (context 4) exported
+    with `config`; returns the copy's folder."""
+    directory = tmp_path / "b"
+    shutil.copytree(bundle.path, directory, ignore=shutil.ignore_patterns("runs"))
+    export_diffusion(directory, tiny_checkpoint(tmp_path / "run", context=4, **model), config)
+    return directory
+
+
 def test_the_served_path_attends_to_the_querys_nearest_items(bundle):
     from service.index import neighbourhood
     from service.paths import DiffusionPath, PathQuery
@@ -44,21 +67,14 @@ def test_the_served_path_attends_to_the_querys_nearest_items(bundle):
 
     sampler = DiffusionSampler(bundle.path / "diffusion", threads=1)
     assert sampler.context == 4
-    seen = []
-    original = sampler.sample
-
-    def recording(query_emb, seed=None, noise=None, context=None):
-        seen.append(context)
-        return original(query_emb, seed, noise, context)
-
-    sampler.sample = recording
+    calls = _record(sampler)
     encoder = Encoder(bundle.encoder_config)
     answers = DiffusionPath(bundle, encoder, sampler, seed=0)([PathQuery("dog", 10),
                                                                PathQuery("tool", 5)])
     assert [len(set(a.selection.rows)) for a in answers] == [10, 5]
     expected = neighbourhood(bundle.index, bundle.items.embeddings,
                              encoder.encode(["dog", "tool"]), 4)  # as training looks it up
-    assert np.allclose(seen[0], expected)
+    assert np.allclose(calls[0][1], expected)
 
 
 def test_a_bundle_trained_on_prompt_contexts_serves_with_them(bundle, tmp_path):
@@ -66,56 +82,38 @@ def test_a_bundle_trained_on_prompt_contexts_serves_with_them(bundle, tmp_path):
     from service.paths import DiffusionPath, PathQuery
     from service.sampler import DiffusionSampler
 
-    directory = tmp_path / "b"
-    shutil.copytree(bundle.path, directory, ignore=shutil.ignore_patterns("runs"))
-    checkpoint = tiny_checkpoint(tmp_path / "run", context=4, context_source="prompt")
-    export_diffusion(directory, checkpoint, ExportConfig(solver="euler", steps=2))
+    directory = _exported_copy(bundle, tmp_path, ExportConfig(solver="euler", steps=2, draws=1),
+                               context_source="prompt")
     served = load_bundle(directory)
     sampler = DiffusionSampler(directory / "diffusion", threads=1)
     assert sampler.config["context_source"] == "prompt"
-    seen = []
-    original = sampler.sample
-
-    def recording(query_emb, seed=None, noise=None, context=None):
-        seen.append(context)
-        return original(query_emb, seed, noise, context)
-
-    sampler.sample = recording
+    calls = _record(sampler)
     encoder = Encoder(served.encoder_config)
     answers = DiffusionPath(served, encoder, sampler, seed=0)([PathQuery("dog", 10)])
     assert len(set(answers[0].selection.rows)) == 10
     queries = encoder.encode(["dog"])
     rows = PromptNeighbourhood(served.index, served.items.texts, served.items.embeddings,
                                4).rows(["dog"], queries)
-    assert np.allclose(seen[0], served.items.embeddings[rows])
+    assert np.allclose(calls[0][1], served.items.embeddings[rows])
 
 
 def test_draws_sample_the_batch_again_and_replace_repeated_items(bundle, tmp_path):
     from service.paths import DiffusionPath, PathQuery
     from service.sampler import DiffusionSampler
 
-    directory = tmp_path / "b"
-    shutil.copytree(bundle.path, directory, ignore=shutil.ignore_patterns("runs"))
-    checkpoint = tiny_checkpoint(tmp_path / "run", context=4)
-    one = export_diffusion(directory, checkpoint, ExportConfig(solver="euler", steps=2, draws=1))
-    two = export_diffusion(directory, checkpoint, ExportConfig(solver="euler", steps=2, draws=2))
+    directory = _exported_copy(bundle, tmp_path, ExportConfig(solver="euler", steps=2, draws=1))
+    one = json.loads((directory / "diffusion" / "diffusion.json").read_text())
+    two = export_diffusion(directory, tmp_path / "run" / "checkpoint.pt",
+                           ExportConfig(solver="euler", steps=2, draws=2))
     assert two["draws"] == 2 and two["flops_per_query"] == 2 * one["flops_per_query"]
     served = load_bundle(directory)
     sampler = DiffusionSampler(directory / "diffusion", threads=1)
-    batches, raw = [], []
-    original = sampler.sample
-
-    def recording(query_emb, seed=None, noise=None, context=None):
-        batches.append((len(query_emb), None if context is None else len(context)))
-        raw.append((original(query_emb, seed, noise, context), context))
-        return raw[-1][0]
-
-    sampler.sample = recording
+    raw = _record(sampler)
     answers = DiffusionPath(served, Encoder(served.encoder_config), sampler, seed=0)(
         [PathQuery("dog", 10), PathQuery("tool", 10)])
-    assert batches == [(4, 4)]  # one run over the batch repeated per draw
-    assert [len(set(a.selection.rows)) for a in answers] == [10, 10]
     rows, context = raw[0]  # (4, 10, d): dog, dog, tool, tool
+    assert len(raw) == 1 and len(rows) == len(context) == 4  # one run, the batch repeated
+    assert [len(set(a.selection.rows)) for a in answers] == [10, 10]
     kept = draw_rows(served.index, sampler, Encoder(served.encoder_config).encode(["dog", "tool"]),
                      0, context[::2])  # (2, 10, d)
     expected = first_distinct_rows(served.index, rows.reshape(2, 20, -1), 10, context[::2])
