@@ -8,6 +8,7 @@ from pathlib import Path
 
 from service.errors import R4TError
 from service.trie import DECODINGS
+from training.commands import positive, register_diffusion
 
 DEFAULT_BUNDLE = Path("models/default")
 
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--k", type=int, default=10)
     ev.add_argument("--limit", type=int, default=None, help="first N queries of the split")
     ev.add_argument("--mmr-lambda", type=float, default=0.7)
-    ev.add_argument("--seeds", type=int, default=1,
+    ev.add_argument("--seeds", type=positive, default=1,
                     help="sampling methods: average over seeds 0..N-1 (per-seed means in "
                          "eval/diagnostics/)")
     ev.add_argument("--decoding", default=None, choices=DECODINGS,
@@ -120,7 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     from service.server import register as register_serve
     from training import grpo, policy_export, synthesis
-    from training.commands import register_diffusion
 
     for module in (grpo, policy_export, synthesis):
         module.register(sub)

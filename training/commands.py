@@ -29,6 +29,14 @@ def lazy(module: str, function: str) -> Callable[[argparse.Namespace], None]:
     return run
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def register_diffusion(sub: argparse._SubParsersAction) -> None:
     """`r4t train diffusion` and `r4t export diffusion` (defaults live in the torch modules)."""
     train = subcommand_group(sub, "train", "train models").add_parser(
@@ -57,7 +65,7 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--solver", default=None, choices=("euler", "heun"),
                         help="default euler")
     export.add_argument("--steps", type=int, default=None, help="solver steps (default 4)")
-    export.add_argument("--draws", type=int, default=None,
+    export.add_argument("--draws", type=positive, default=None,
                         help="blocks sampled per query; a row that repeats an item is "
                              "replaced from the next block (default 2)")
     export.add_argument("--cfg-weight", type=float, default=None,

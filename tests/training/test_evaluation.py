@@ -91,3 +91,14 @@ def test_fanout_pools_hold_as_many_distinct_items_as_single(small_bundle_dir, mo
     assert len(pool) == len(set(pool)) == 20
     tops = search(bundle.index, spread[0], 1)[1][:, 0]  # each probe is an item: itself
     assert pool[:10] == tops.tolist()  # every probe's first neighbour, in probe order, first
+
+
+def test_counts_on_the_command_line_must_be_positive(capsys):
+    from training.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["eval", "--seeds", "4"]).seeds == 4
+    for argv in (["eval", "--seeds", "0"], ["export", "diffusion", "--draws", "-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert "must be at least 1" in capsys.readouterr().err
