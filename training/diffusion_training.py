@@ -341,7 +341,19 @@ def plot_curve(curve: list[tuple[int, float]], path: Path,
     plt.close(fig)
 
 
+def prompt_context(dataset_dir: Path, n: int) -> None:
+    """Refuse a prompt-sourced context of n items when the stage-2 run's prompts named another
+    number (its config.json `context`): the student would not see what its teacher saw."""
+    path = Path(dataset_dir) / "config.json"
+    named = json.loads(path.read_text()).get("context") if path.is_file() else None
+    if named is not None and int(named) != n:
+        raise BundleError(f"the teacher's prompts named {named} items ({path}) but the "
+                          f"denoiser's context is {n}: they must match for "
+                          "context_source='prompt'")
+
+
 def cmd_train_diffusion(args: argparse.Namespace) -> None:
+    from service.bundle import load_bundle
     from training.synthesis import load_dataset
 
     overrides = {name: getattr(args, name) for name in ("steps", "batch", "lr", "seed")
@@ -353,21 +365,20 @@ def cmd_train_diffusion(args: argparse.Namespace) -> None:
     if any(model.values()):
         config = replace(config, model=replace(config.model, **{k: v for k, v in model.items()
                                                                 if v is not None}))
+    dataset_dir = args.dataset or args.bundle / "runs" / "synthesis"
     try:
-        data = load_dataset(args.dataset or args.bundle / "runs" / "synthesis")
+        data = load_dataset(dataset_dir)
     except FileNotFoundError as exc:
         raise BundleError(f"no stage-2 dataset: {exc} (run `r4t synthesize` first)") from exc
-    context = None
-    if config.model.context:
-        from service.bundle import load_bundle
-
+    context, n = None, config.model.context
+    if n:
         bundle = load_bundle(args.bundle)
         prompt = None
         if config.model.context_source == "prompt":
+            prompt_context(dataset_dir, n)
             prompt = PromptNeighbourhood(bundle.index, bundle.items.texts,
-                                         bundle.items.embeddings, config.model.context)
-        context = block_neighbourhood(data, bundle.index, bundle.items.embeddings,
-                                      config.model.context, prompt)
+                                         bundle.items.embeddings, n)
+        context = block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt)
     run_dir = args.run_dir or args.bundle / "runs" / RUN_NAME
     summary = train(data, config, run_dir, fresh=args.fresh, context=context)
     print(json.dumps(summary["ledger"], indent=2))

@@ -170,6 +170,17 @@ def test_a_prompt_context_is_the_items_each_querys_prompt_names():
         assert np.array_equal(neighbours.rows[block], nearest[block, start : start + 4])
 
 
+def test_a_prompt_context_must_name_as_many_items_as_the_teachers_prompts(tmp_path):
+    from service.errors import BundleError
+    from training.diffusion_training import prompt_context
+
+    prompt_context(tmp_path, 16)  # no record: nothing to check
+    (tmp_path / "config.json").write_text('{"stage": "synthesis", "context": 16}')
+    prompt_context(tmp_path, 16)
+    with pytest.raises(BundleError, match="named 16 items"):
+        prompt_context(tmp_path, 8)
+
+
 def test_new_options_keep_old_configs_and_their_hashes():
     config = preset("cpu", context_source="nearest")
     assert "head" not in config.to_dict() and "context_source" not in config.to_dict()
