@@ -137,6 +137,14 @@ class DiffusionContext:
         return np.ascontiguousarray(self.bundle.items.embeddings[rows], dtype=np.float32)
 
 
+def repeat_draws(queries: np.ndarray, context: np.ndarray | None,
+                 draws: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The sampler's inputs for `draws` blocks per query: each query (B, d) and its context
+    (B, C, d) repeated in place, (B·D, d) and (B·D, C, d), so a query's draws are adjacent."""
+    repeated = None if context is None else np.repeat(context, draws, axis=0)  # (B·D, C, d)
+    return np.repeat(queries, draws, axis=0), repeated  # (B·D, d)
+
+
 def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | None,
               context: np.ndarray | None) -> np.ndarray:
     """The sampler's rows (B, L, d) for queries (B, d). With `draws` D > 1 in its config, D
@@ -148,8 +156,8 @@ def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | Non
         raise BundleError(f"diffusion.json: draws must be at least 1, got {draws}")
     if draws == 1:
         return sampler.sample(queries, seed=seed, context=context)
-    repeated = None if context is None else np.repeat(context, draws, axis=0)  # (B·D, C, d)
-    rows = sampler.sample(np.repeat(queries, draws, axis=0), seed=seed, context=repeated)
+    repeated, repeated_context = repeat_draws(queries, context, draws)
+    rows = sampler.sample(repeated, seed=seed, context=repeated_context)
     b, length = len(queries), rows.shape[1]  # rows (B·D, L, d), each query's draws adjacent
     if rows.shape[0] != b * draws:
         raise RuntimeError(f"sampler returned {rows.shape[0]} blocks for {b * draws}")

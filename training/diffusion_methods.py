@@ -23,7 +23,7 @@ import onnx
 
 from service.bundle import REPORTS_DIR, Bundle
 from service.encoder import Encoder
-from service.paths import DiffusionContext, draw_rows
+from service.paths import DiffusionContext, draw_rows, repeat_draws
 from service.resolution import distinct_nearest
 from service.sampler import CONFIG_FILE, SAMPLER_FILE, STEP_FILE, DiffusionSampler, read_config
 from training.methods import Method, MethodOutput, fanout_output
@@ -99,9 +99,9 @@ def solver_benchmark(sampler: DiffusionSampler, queries: np.ndarray, batch: int 
     draws = int(sampler.config.get("draws", 1))  # as served: the batch repeated per draw
 
     def run(start: int) -> np.ndarray:
-        part = None if context is None else np.repeat(context[start : start + batch], draws, 0)
-        return sampler.sample(np.repeat(queries[start : start + batch], draws, 0), seed=0,
-                              context=part)
+        part = None if context is None else context[start : start + batch]
+        repeated, repeated_context = repeat_draws(queries[start : start + batch], part, draws)
+        return sampler.sample(repeated, seed=0, context=repeated_context)
 
     run(0)  # warm-up
     best = float("inf")
@@ -127,13 +127,14 @@ def steps_curve(bundle: Bundle, split: str = "test", steps_list: tuple[int, ...]
     encoder = encoder or Encoder(bundle.encoder_config)
     texts = [q.query for q in load_split(bundle.path, split)[:limit]]
     embedded = encoder.encode(texts)  # (Q, d)
+    # every composed sampler shares the exported model's context: look it up once
+    context = DiffusionContext(bundle, read_config(bundle.path / "diffusion"))(texts, embedded)
     points = []
     for solver in solvers:
         for steps in steps_list:
             report = evaluate(bundle, "diffusion", split, k, limit, encoder, seeds=seeds,
                               steps=steps, solver=solver)
             sampler = open_sampler(bundle, steps, solver)
-            context = DiffusionContext(bundle, sampler.config)(texts, embedded)
             bench = solver_benchmark(sampler, embedded, repeats=1, context=context)
             points.append({"solver": solver, "steps": steps,
                            "evaluations": sampler.config["evaluations"],
