@@ -33,7 +33,7 @@ from service.grounding import NameGrounding
 from service.index import search
 from service.reward import RewardTerms, RewardWeights, score_probes
 from service.trie import DECODINGS
-from training.commands import subcommand_group
+from training.commands import positive, subcommand_group
 
 REWARD_MODES: dict[str, tuple[str, ...]] = {
     "ground": ("ground",),
@@ -418,7 +418,7 @@ def cmd_train_folm(args: argparse.Namespace) -> None:
         steps = args.steps or (args.ablation_steps if ablation else None)
         config = resolve_config(args.preset, reward=mode, steps=steps, threads=args.threads,
                                 lr=args.lr, beta=args.beta, temperature=args.temperature,
-                                decoding=args.decoding)
+                                decoding=args.decoding, queries_per_step=args.queries_per_step)
         run_dir = args.bundle / "runs" / "ablation" / mode if ablation else None
         finals[mode] = train_grpo(args.bundle, config, init, run_dir)
     if ablation:
@@ -438,6 +438,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     folm.add_argument("--lr", type=float, default=None, help="GRPO learning rate")
     folm.add_argument("--beta", type=float, default=None, help="KL weight to the warm start")
     folm.add_argument("--temperature", type=float, default=None, help="GRPO sampling T")
+    folm.add_argument("--queries-per-step", type=positive, default=None,
+                      help="prompts per GRPO step (preset: 4), each sampled num_generations times")
     folm.add_argument("--decoding", default=None, choices=DECODINGS,
                       help="how sampled lines are decoded (default context: prompt's names)")
     folm.add_argument("--init", default=None, help="start from this HF checkpoint folder")

@@ -85,9 +85,10 @@ class MaskedGRPOTrainer(GRPOTrainer):
         ids = input_ids.cpu()
         keys = [(completion_len, row.numpy().tobytes()) for row in ids]
         missing = [i for i, key in enumerate(keys) if key not in cache]
+        if missing and len(cache) + len(missing) > MASK_CACHE_ROWS:
+            cache = {}  # full: start afresh, and every row of this batch is now missing
+            missing = list(range(len(keys)))
         if missing:
-            if len(cache) + len(missing) > MASK_CACHE_ROWS:
-                cache = {}
             fresh = self.grammar.allowed(ids[missing], completion_len)  # (m, T, V)
             cache.update({keys[i]: mask for i, mask in zip(missing, fresh, strict=True)})
         self._masks = cache

@@ -117,3 +117,35 @@ def test_grammar_allows_every_token_it_sampled(policy: Path) -> None:
             assert allowed[b, int(breaks[-1]) + 1].sum() == 1
             assert allowed[b, int(breaks[-1]) + 1, tokenizer.eos_token_id]
     assert finished == 4  # the grammar ends every row within the budget
+
+
+class _CountingGrammar:
+    """Stands in for `Grammar.allowed`: a mask that encodes its row's first token."""
+
+    decoding = "lines"
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def allowed(self, ids: torch.Tensor, completion_len: int) -> torch.Tensor:
+        self.rows += len(ids)
+        masks = torch.zeros(len(ids), completion_len, 8, dtype=torch.bool)  # (m, T, V)
+        masks[torch.arange(len(ids)), :, ids[:, 0] % 8] = True
+        return masks
+
+
+def test_mask_cache_refills_every_row_when_it_overflows(monkeypatch) -> None:
+    import training.grpo_trainer as module
+
+    monkeypatch.setattr(module, "MASK_CACHE_ROWS", 4)
+    trainer = module.MaskedGRPOTrainer.__new__(module.MaskedGRPOTrainer)
+    trainer.grammar = _CountingGrammar()
+    first = torch.tensor([[1, 9], [2, 9], [3, 9]])
+    trainer._allowed(first, 2)
+    assert trainer.grammar.rows == 3
+    trainer._allowed(first[[2, 0]], 2)  # cached: the reference's pass, reordered
+    assert trainer.grammar.rows == 3
+    mixed = torch.tensor([[3, 9], [4, 9], [5, 9]])  # one cached row, two new: overflows 4
+    masks = trainer._allowed(mixed, 2)  # (3, 2, 8)
+    assert trainer.grammar.rows == 6  # the cached row is recomputed with the new ones
+    assert masks[:, 0].nonzero()[:, 1].tolist() == [3, 4, 5]
