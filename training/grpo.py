@@ -7,7 +7,8 @@ exp(r) − r − 1 with r = log π_ref − log π, added to the loss with weight
 frozen warm-start policy (the paper's Soft-GRPO used forward and reverse KL; we use reverse).
 Both log-probabilities are taken over the tokens the decoding grammar allowed, the distribution
 the policy sampled from (training/grpo_trainer.py).
-Ablations: `--reward ground`, `ground+align` or `all` (the default) select which terms count.
+Ablations: `--reward ground`, `ground+align` or `all` (the default) select which terms count;
+`--reward ablation` runs the three and writes their report (training/ablation.py).
 
 Run directory `models/<bundle>/runs/folm-<reward>/`: config.json, checkpoint-*/ (resumable),
 final/ (HF checkpoint), curves.json and curves.png.
@@ -28,9 +29,8 @@ import numpy as np
 from service.bundle import Bundle, git_commit, load_bundle
 from service.encoder import Encoder
 from service.errors import InputError
-from service.fanout import ParsedFanout, PromptBuilder, item_name, item_names, parse_fanout
+from service.fanout import ParsedFanout, PromptBuilder, item_names, parse_fanout
 from service.grounding import NameGrounding
-from service.index import search
 from service.reward import RewardTerms, RewardWeights, score_probes
 from service.trie import DECODINGS
 from training.commands import positive, subcommand_group
@@ -60,6 +60,14 @@ class GrpoConfig:
     seed: int = 0
     threads: int = 1
 
+
+# `--reward ablation`: free-text lines (under `context` decoding every line is a prompt name and
+# no collapse can be written); lr 1e-4 at 16 prompts per step raised each run's own reward,
+# where lr 5e-4 at 4 lowered it (Adam turned the noisy gradient into a random walk).
+ABLATION: dict[str, dict[str, Any]] = {
+    "cpu": {"steps": 100, "lr": 1e-4, "queries_per_step": 16, "decoding": "lines"},
+    "tiny": {"decoding": "lines"},
+}
 
 GRPO_PRESETS: dict[str, GrpoConfig] = {
     "tiny": GrpoConfig(preset="tiny", steps=1, queries_per_step=2, num_generations=4,
@@ -299,102 +307,11 @@ def policy_fanouts(
     return texts
 
 
-def collapse_signatures(
-    scorer: FanoutScorer, queries: list[str], completions: list[str]
-) -> dict[str, Any]:
-    """The paper's collapse modes, measured: nonsense near one item; paraphrases of the query."""
-    terms, parsed = scorer.score(queries, completions)
-    names = {item_name(t).lower() for t in scorer.bundle.items.texts}
-    probes = embed_subqueries(scorer.encoder, scorer.grounding, parsed,
-                              scorer.query_embeddings(queries))  # (G, k, d)
-    _, rows = search(scorer.bundle.index, probes.reshape(-1, probes.shape[-1]), 1)
-    rows = rows[:, 0].reshape(len(parsed), -1)  # (G, k)
-    subs = [(q.lower(), s.lower()) for q, p in zip(queries, parsed, strict=True)
-            for s, v in zip(p.subqueries, p.valid, strict=True) if v]
-    top_share = [np.unique(r[p.valid], return_counts=True)[1].max() / scorer.k
-                 if p.valid.any() else 1.0 for r, p in zip(rows, parsed, strict=True)]
-    return {
-        "composite": float(terms.total.mean()), "ground": float(terms.ground.mean()),
-        "diversity": float(terms.diversity.mean()), "alignment": float(terms.alignment.mean()),
-        "distinct_subqueries": float(terms.n_valid.mean()),
-        "well_formed": float(np.mean([p.well_formed for p in parsed])),
-        "top_item_share": float(np.mean(top_share)),
-        "non_catalog_name_share": float(np.mean([s not in names for _, s in subs])) if subs
-        else 1.0,
-        "repeated_word_share": float(np.mean([len(set(s.split())) < len(s.split())
-                                              for _, s in subs])) if subs else 0.0,
-        "contains_query_share": float(np.mean([q in s for q, s in subs])) if subs else 0.0,
-        "stock_line_share": stock_line_share(subs),
-        "examples": [{"query": q, "fanout": c.split("\n")}
-                     for q, c in list(zip(queries, completions, strict=True))[:3]],
-    }
-
-
 def check_decoding(decoding: str, context: int) -> None:
     """`context` decoding writes the prompt's catalog names: a policy without any cannot."""
     if decoding == "context" and context == 0:
         raise InputError("--decoding context needs a policy with catalog names in its prompt "
                          "(context > 0); use --decoding lines")
-
-
-def stock_line_share(subs: list[tuple[str, str]]) -> float:
-    """Share of the (query, line) pairs whose line the run writes for more than max(1, 10%) of
-    its distinct queries."""
-    if not subs:
-        return 0.0
-    writers: dict[str, set[str]] = {}
-    for query, line in subs:
-        writers.setdefault(line, set()).add(query)
-    common = max(1.0, 0.1 * len({query for query, _ in subs}))
-    return float(np.mean([len(writers[line]) > common for _, line in subs]))
-
-
-def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int = 64,
-                    decoding: str = "lines") -> Path:
-    """Sampled fan-outs (T=1, the GRPO temperature) of each run on val query texts, decoded
-    as the runs sampled (`decoding`).
-
-    Writes runs/ablation/report.{json,md}.
-    """
-    from training.benchmark import query_texts
-    from training.policy import policy_meta
-
-    bundle = load_bundle(bundle_dir)
-    scorer = FanoutScorer(bundle, Encoder(bundle.encoder_config), 10)
-    queries = query_texts(bundle_dir, "val")[:limit]
-    report = {}
-    for name, checkpoint in checkpoints.items():
-        policy = policy_meta(checkpoint).get("policy", {})
-        prompts = scorer.prompts(queries, int(policy.get("context", 0)))
-        completions = policy_fanouts(checkpoint, prompts, int(policy.get("max_new_tokens", 48)),
-                                     decoding=decoding,
-                                     names=item_names(bundle.items.texts))
-        report[name] = collapse_signatures(scorer, queries, completions)
-    out = bundle_dir / "runs" / "ablation"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(ablation_markdown(report, len(queries)))
-    print((out / "report.md").read_text())
-    return out
-
-
-def ablation_markdown(report: dict[str, dict], n: int) -> str:
-    cols = ["composite", "ground", "diversity", "alignment", "distinct_subqueries",
-            "top_item_share", "non_catalog_name_share", "repeated_word_share",
-            "contains_query_share", "stock_line_share"]
-    lines = [f"# Reward ablation: sampled fan-outs (T=1) on {n} val queries", "",
-             "| run | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for name, row in report.items():
-        lines.append(f"| {name} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |")
-    lines += ["", "Collapse signatures: groundedness alone → high top_item_share and "
-              "non_catalog_name_share/repeated_word_share (nonsense near one item); "
-              "+alignment → high contains_query_share (paraphrases of the query); "
-              "stock_line_share: lines the run writes for over 10% of the queries "
-              "(one stock fan-out whatever the query).", ""]
-    for name, row in report.items():
-        ex = row["examples"][0]
-        lines.append(f"- **{name}** — `{ex['query']}`: " + " / ".join(ex["fanout"][:10]))
-    return "\n".join(lines) + "\n"
 
 
 def resolve_config(preset: str, **overrides: Any) -> GrpoConfig:
@@ -413,17 +330,22 @@ def cmd_train_folm(args: argparse.Namespace) -> None:
         return
     ablation = args.reward == "ablation"
     modes = list(REWARD_MODES) if ablation else [args.reward]
+    given = {"steps": args.steps, "lr": args.lr, "queries_per_step": args.queries_per_step,
+             "decoding": args.decoding}
+    if ablation:  # the flags override ABLATION's settings, as they override the preset's
+        preset = ABLATION.get(args.preset, {})
+        given = {k: preset.get(k) if v is None else v for k, v in given.items()}
     finals = {}
     for mode in modes:
-        steps = args.steps or (args.ablation_steps if ablation else None)
-        config = resolve_config(args.preset, reward=mode, steps=steps, threads=args.threads,
-                                lr=args.lr, beta=args.beta, temperature=args.temperature,
-                                decoding=args.decoding, queries_per_step=args.queries_per_step)
+        config = resolve_config(args.preset, reward=mode, threads=args.threads, beta=args.beta,
+                                temperature=args.temperature, **given)
         run_dir = args.bundle / "runs" / "ablation" / mode if ablation else None
         finals[mode] = train_grpo(args.bundle, config, init, run_dir)
     if ablation:
-        ablation_report(args.bundle, {"warm start": init, **finals},
-                        decoding=config.decoding)
+        from training.ablation import ablation_report
+
+        ablation_report(args.bundle, {"warm start": init, **finals}, decoding=config.decoding,
+                        best_of=args.ablation_best_of)
     print(f"stage 1 wall time (this invocation): {time.perf_counter() - started:.0f} s")
 
 
@@ -434,7 +356,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     folm.add_argument("--preset", default="cpu", choices=sorted(GRPO_PRESETS))
     folm.add_argument("--reward", default="all", choices=[*REWARD_MODES, "ablation"])
     folm.add_argument("--steps", type=int, default=None, help="GRPO steps (preset default)")
-    folm.add_argument("--ablation-steps", type=int, default=150)
+    folm.add_argument("--ablation-best-of", type=int, default=64,
+                      help="the report's best-of-N rows per reward (0: none)")
     folm.add_argument("--lr", type=float, default=None, help="GRPO learning rate")
     folm.add_argument("--beta", type=float, default=None, help="KL weight to the warm start")
     folm.add_argument("--temperature", type=float, default=None, help="GRPO sampling T")

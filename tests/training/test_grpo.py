@@ -13,10 +13,10 @@ from service.bundle import load_bundle
 from service.encoder import Encoder
 from service.fanout import format_fanout
 from tests.training.test_policy import make_tiny_bundle, make_tiny_policy
+from training.ablation import best_of_n, collapse_signatures, mode_score
 from training.grpo import (
     GRPO_PRESETS,
     FanoutScorer,
-    collapse_signatures,
     resolve_config,
     reward_functions,
     train_grpo,
@@ -123,13 +123,30 @@ def test_collapse_signatures_tell_the_modes_apart(scorer: FanoutScorer) -> None:
     assert collapse_signatures(scorer, queries, own)["stock_line_share"] == 0.0
 
 
+def test_best_of_n_keeps_each_querys_best_under_the_ablated_reward(scorer: FanoutScorer) -> None:
+    queries = ["camping", "tent"]
+    paraphrase = format_fanout([f"camping {w}" for w in ("stuff", "things", "kit", "gear",
+                                "items", "goods", "supplies", "set", "outfit", "pack")])
+    samples = [paraphrase, GOOD, format_fanout(["tent"] * 10), GOOD]  # 2 per query
+    for mode in ("ground", "ground+align", "all"):
+        chosen = best_of_n(scorer, queries, samples, 2, mode)
+        for i, query in enumerate(queries):
+            pair = samples[2 * i : 2 * i + 2]
+            scores = mode_score(scorer, [query] * 2, pair, mode)  # (2,)
+            assert chosen[i] == pair[int(scores.argmax())]
+    assert best_of_n(scorer, queries, samples, 2, "all")[1] == GOOD  # not the ten duplicates
+    only_ground = mode_score(scorer, ["camping"], [GOOD], "ground")
+    assert np.isclose(only_ground[0], 0.6 * scorer.score(["camping"], [GOOD])[0].ground[0])
+
+
 def test_ablation_report_lists_every_run(setup: tuple[Path, Path]) -> None:
-    from training.grpo import ablation_report
+    from training.ablation import ablation_report
 
     bundle, init = setup
-    out = ablation_report(bundle, {"warm start": init, "all": init}, limit=2)
+    out = ablation_report(bundle, {"warm start": init, "all": init}, limit=2, best_of=2)
     report = json.loads((out / "report.json").read_text())
-    assert set(report) == {"warm start", "all"}
+    assert set(report) == {"warm start", "all", "best-of-2 by ground",
+                           "best-of-2 by ground+align", "best-of-2 by all"}
     assert 0.0 <= report["all"]["composite"] <= 1.0
     assert "| warm start |" in (out / "report.md").read_text()
 
@@ -164,3 +181,23 @@ def test_context_decoding_needs_a_policy_with_catalog_names() -> None:
         check_decoding("context", 0)
     check_decoding("lines", 0)
     check_decoding("context", 16)
+
+
+def test_reward_ablation_runs_each_reward_on_free_lines_and_reports(
+    setup: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    from training.cli import main
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(setup[0], bundle)
+    main(["--bundle", str(bundle), "train", "folm", "--preset", "tiny", "--reward", "ablation",
+          "--init", str(setup[1]), "--ablation-best-of", "2"])
+    for mode in ("ground", "ground+align", "all"):
+        record = json.loads((bundle / "runs/ablation" / mode / "config.json").read_text())
+        assert record["config"]["decoding"] == "lines" and record["config"]["reward"] == mode
+        assert record["config"]["lr"] == GRPO_PRESETS["tiny"].lr  # the preset's own settings
+    report = json.loads((bundle / "runs/ablation/report.json").read_text())
+    assert list(report) == ["warm start", "ground", "ground+align", "all", "best-of-2 by ground",
+                            "best-of-2 by ground+align", "best-of-2 by all"]
