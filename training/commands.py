@@ -37,6 +37,14 @@ def positive(text: str) -> int:
     return value
 
 
+def non_negative(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def register_diffusion(sub: argparse._SubParsersAction) -> None:
     """`r4t train diffusion` and `r4t export diffusion` (defaults live in the torch modules)."""
     train = subcommand_group(sub, "train", "train models").add_parser(

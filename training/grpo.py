@@ -33,7 +33,7 @@ from service.fanout import ParsedFanout, PromptBuilder, item_names, parse_fanout
 from service.grounding import NameGrounding
 from service.reward import RewardTerms, RewardWeights, score_probes
 from service.trie import DECODINGS
-from training.commands import positive, subcommand_group
+from training.commands import non_negative, positive, subcommand_group
 
 REWARD_MODES: dict[str, tuple[str, ...]] = {
     "ground": ("ground",),
@@ -355,8 +355,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     folm = what.add_parser("folm", help="warm start + GRPO of the fan-out LM")
     folm.add_argument("--preset", default="cpu", choices=sorted(GRPO_PRESETS))
     folm.add_argument("--reward", default="all", choices=[*REWARD_MODES, "ablation"])
-    folm.add_argument("--steps", type=int, default=None, help="GRPO steps (preset default)")
-    folm.add_argument("--ablation-best-of", type=int, default=64,
+    folm.add_argument("--steps", type=positive, default=None, help="GRPO steps (preset default)")
+    folm.add_argument("--ablation-best-of", type=non_negative, default=64,
                       help="the report's best-of-N rows per reward (0: none)")
     folm.add_argument("--lr", type=float, default=None, help="GRPO learning rate")
     folm.add_argument("--beta", type=float, default=None, help="KL weight to the warm start")

@@ -98,7 +98,12 @@ def test_counts_on_the_command_line_must_be_positive(capsys):
 
     parser = build_parser()
     assert parser.parse_args(["eval", "--seeds", "4"]).seeds == 4
-    for argv in (["eval", "--seeds", "0"], ["export", "diffusion", "--draws", "-1"]):
+    for argv in (["eval", "--seeds", "0"], ["export", "diffusion", "--draws", "-1"],
+                 ["train", "folm", "--queries-per-step", "0"], ["train", "folm", "--steps", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
         assert "must be at least 1" in capsys.readouterr().err
+    assert parser.parse_args(["train", "folm", "--ablation-best-of", "0"]).ablation_best_of == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "folm", "--ablation-best-of", "-1"])
+    assert "must be at least 0" in capsys.readouterr().err
