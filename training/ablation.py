@@ -10,6 +10,7 @@ when GRPO at this scale moves only part of the way.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,8 @@ def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int =
     return out
 
 
-def _sampler(scorer: FanoutScorer, queries: list[str], decoding: str, names: list[str]):
+def _sampler(scorer: FanoutScorer, queries: list[str], decoding: str,
+             names: list[str]) -> Callable[[Path, int], list[str]]:
     """sample(checkpoint, n) -> n completions per query (Q·n, consecutive per query), T=1."""
     from training.policy import policy_meta
 
