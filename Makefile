@@ -30,10 +30,12 @@ bundle: install
 eval: bundle
 	$(R4T) --bundle $(BUNDLE) eval --method all --split test --seeds 4
 
-# The main job: build whatever the default bundle lacks (progress bars), then serve it on
-# http://127.0.0.1:8000 (settings: R4T_* environment variables, see service/settings.py).
-serve: bundle
-	$(R4T) --bundle $(BUNDLE) serve
+# The main job: serve the default bundle on http://127.0.0.1:8000 while building whatever it
+# lacks in the background (progress bars); each route is served as its stage lands: single once
+# the catalog exists, ar after stage 1, diffusion after stage 3 (settings: R4T_* variables, see
+# service/settings.py).
+serve: install
+	$(R4T) --bundle $(BUNDLE) serve --build
 
 # The honest speed benchmark (run alone): both paths, batch 8..1024, per stage.
 bench: bundle

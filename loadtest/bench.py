@@ -1,10 +1,12 @@
-"""The honest speed benchmark: both retrieval paths, same run, same machine, per stage.
+"""The honest speed benchmark: the served routes, same run, same machine, per stage.
 
-For each batch size, seconds per batch of the diffusion path (encode → solver → search) and
-of the autoregressive path (decode → encode sub-queries → search), the speedup, the solver's
-FLOPs per query, the AR tokens generated, and this machine's measured fp32 matmul peak with
-the solver's share of it. Writes JSON, a markdown table in the style of the paper's Figure 5,
-and a PNG plot. Run alone: anything else computing on the machine skews every number.
+For each batch size, seconds per batch of the diffusion path (encode → solver → search), of
+the autoregressive path (decode → encode sub-queries → search) and of one dense query
+(`single`, the floor), each the service's own path object with its own stage clock; the
+speedup, the solver's FLOPs per query, the AR tokens generated, and this machine's measured
+fp32 matmul peak with the solver's share of it. Writes JSON, a markdown table in the style of
+the paper's Figure 5, and a PNG plot. Run alone: anything else computing on the machine skews
+every number.
 """
 
 from __future__ import annotations
@@ -22,13 +24,11 @@ import onnxruntime as ort
 from tqdm import tqdm
 
 from service.bundle import load_bundle
-from service.decoding import FanoutDecoder
 from service.encoder import Encoder
-from service.fanout import PromptBuilder, item_names, parse_fanout
-from service.grounding import NameGrounding
-from service.paths import DiffusionContext, OnnxFanoutBackend, draw_rows
-from service.resolution import distinct_nearest
+from service.paths import DiffusionPath, PathQuery, SinglePath
+from service.retriever import ar_path
 from service.sampler import DiffusionSampler
+from service.settings import Settings
 
 BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 REPEATS = 3  # per batch size and path; the fastest run is reported
@@ -48,7 +48,7 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
 def best_of(repeats: int, measure: Any, *args: Any) -> dict[str, float]:
     """The fastest of `repeats` runs (by total seconds): the least disturbed measurement."""
     runs = [measure(*args) for _ in range(repeats)]
-    return min(runs, key=lambda clock: sum(v for key, v in clock.items() if key != "tokens"))
+    return min(runs, key=compute_s)
 
 
 def _timed(fn: Any) -> float:
@@ -68,100 +68,65 @@ def machine() -> dict[str, Any]:
             "onnxruntime": ort.__version__, "available_providers": ort.get_available_providers()}
 
 
-def diffusion_batch(queries: list[str], encoder: Encoder, sampler: DiffusionSampler,
-                    bundle: Any, k: int, lookup: DiffusionContext) -> dict[str, float]:
-    clock: dict[str, float] = {}
-    started = time.perf_counter()
-    q = encoder.encode(queries)  # (B, d)
-    clock["encode"] = time.perf_counter() - started
-    started = time.perf_counter()
-    context = lookup(queries, q)  # as served: the sampler's context (a search), or None
-    clock["search"] = time.perf_counter() - started
-    started = time.perf_counter()
-    rows = draw_rows(bundle.index, sampler, q, 0, context)  # (B, L, d), as served
-    clock["solver"] = time.perf_counter() - started
-    started = time.perf_counter()
-    distinct_nearest(bundle.index, rows[:, :k])
-    clock["search"] += time.perf_counter() - started
+def timed_batch(path: Any, queries: list[str], k: int) -> dict[str, float]:
+    """One batch through a served path: its own per-stage seconds (and AR tokens)."""
+    answers = path([PathQuery(text, k) for text in queries])
+    clock = {stage: float(seconds) for stage, seconds in answers[0].timings_s.items()}
+    if any(a.tokens for a in answers):
+        clock["tokens"] = float(sum(a.tokens for a in answers))
     return clock
 
 
-def ar_batch(queries: list[str], encoder: Encoder, decoder: FanoutDecoder,
-             bundle: Any, k: int, builder: PromptBuilder, served: OnnxFanoutBackend,
-             grounding: NameGrounding) -> dict[str, float]:
-    """The served AR path's work: prompt, decode as served (greedy), resolve, search."""
-    clock: dict[str, float] = {}
-    started = time.perf_counter()
-    embedded = encoder.encode(queries)  # (B, d)
-    clock["encode"] = time.perf_counter() - started
-    started = time.perf_counter()
-    prompts = builder.prompts(queries, embedded)  # the query's catalog context: one dense search
-    clock["search"] = time.perf_counter() - started
-    started = time.perf_counter()
-    generations = decoder.generate(prompts, temperature=0.0, names=served.names,
-                                   enforce_lines=served.decoding != "free")
-    clock["decode"] = time.perf_counter() - started
-    clock["tokens"] = float(sum(g.n_tokens for g in generations))
-    started = time.perf_counter()
-    parsed = [parse_fanout(g.text, k) for g in generations]
-    texts = [s or q for p, q in zip(parsed, queries, strict=True) for s in p.subqueries]
-    owners = np.repeat(embedded, k, axis=0)  # (B·k, d)
-    subs, _ = grounding.probes(texts, owners, encoder.encode)  # (B·k, d): names looked up
-    clock["encode"] += time.perf_counter() - started
-    started = time.perf_counter()
-    distinct_nearest(bundle.index, subs.reshape(len(queries), k, -1))  # (B, k, d)
-    clock["search"] += time.perf_counter() - started
-    return clock
+def compute_s(clock: dict[str, float]) -> float:
+    return sum(v for key, v in clock.items() if key != "tokens")
 
 
 def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path) -> dict:
     bundle = load_bundle(bundle_dir)
     encoder = Encoder(bundle.encoder_config)
     sampler = DiffusionSampler(bundle_dir / "diffusion", threads=threads)
-    decoder = FanoutDecoder(bundle_dir / "folm", threads=threads)
+    paths = {"diffusion": DiffusionPath(bundle, encoder, sampler, seed=0),
+             "ar": ar_path(Settings(bundle=bundle_dir, threads=threads, seed=0), bundle, encoder),
+             "single": SinglePath(bundle, encoder)}
     k = int(sampler.config.get("k", 10))
     texts = [json.loads(line)["query"] for line in
              (bundle_dir / "benchmark" / "test.jsonl").read_text().splitlines()]
-    lookup = DiffusionContext(bundle, sampler.config)
-    diffusion_batch(texts[:8], encoder, sampler, bundle, k, lookup)  # warm-up both paths
-    builder = PromptBuilder(bundle.index, bundle.items.texts, int(decoder.config.get("context", 0)))
-    decoding = str(decoder.config.get("decoding", "lines"))  # as served (folm.json)
-    names = item_names(bundle.items.texts) if decoding == "catalog" else []
-    served = OnnxFanoutBackend(decoder, 0.0, int(decoder.config["max_new_tokens"]), 0, decoding,
-                               names)
-    grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
-    ar_args = (encoder, decoder, bundle, k, builder, served, grounding)
-    ar_batch(texts[:8], *ar_args)
+    for path in paths.values():
+        timed_batch(path, texts[:8], k)  # warm-up
     peak = matmul_peak_gflops()
     rows = []
     for b in tqdm(batches, desc="bench", unit="batch size"):
         queries = [texts[i % len(texts)] for i in range(b)]
-        d = best_of(REPEATS, diffusion_batch, queries, encoder, sampler, bundle, k, lookup)
-        a = best_of(REPEATS, ar_batch, queries, *ar_args)
-        rows.append(_row(b, d, a, sampler.config, peak))
+        clocks = {name: best_of(REPEATS, timed_batch, path, queries, k)
+                  for name, path in paths.items()}
+        rows.append(_row(b, clocks, sampler.config, peak))
+    decoder = paths["ar"].backend.decoder  # type: ignore[union-attr]
     report = {"machine": machine(), "matmul_peak_gflops": peak, "threads": threads,
-              "providers": {"diffusion": sampler.providers, "ar": decoder.providers},
+              "providers": {name: path.providers for name, path in paths.items()},
               "sampler": {key: sampler.config.get(key) for key in
                           ("solver", "steps", "cfg_weight", "draws", "context_source", "params",
                            "flops_per_query", "rows")},
               "folm": {key: decoder.config.get(key) for key in ("params", "max_new_tokens")}
-              | {"decoding": served.decoding},
+              | {"decoding": paths["ar"].backend.decoding,  # type: ignore[union-attr]
+                 "temperature": paths["ar"].backend.temperature},  # type: ignore[union-attr]
               "rows": rows}
     write_outputs(report, out_dir)
     return report
 
 
-def _row(b: int, d: dict[str, float], a: dict[str, float], config: dict, peak: float) -> dict:
-    d_total = d["encode"] + d["solver"] + d["search"]
-    a_total = a["decode"] + a["encode"] + a["search"]
+def _row(b: int, clocks: dict[str, dict[str, float]], config: dict, peak: float) -> dict:
+    d, a, single = clocks["diffusion"], clocks["ar"], clocks["single"]
+    d_total, a_total, s_total = compute_s(d), compute_s(a), compute_s(single)
     flops = float(config.get("flops_per_query") or 0.0)
-    achieved = flops * b / d["solver"] / 1e9 if d["solver"] > 0 else 0.0
+    solver = d.get("solver", 0.0)
+    achieved = flops * b / solver / 1e9 if solver > 0 else 0.0
     return {
         "batch": b,
         "diffusion_s": d_total, "diffusion_stages_s": d,
         "ar_s": a_total, "ar_stages_s": {key: v for key, v in a.items() if key != "tokens"},
-        "ar_tokens": int(a["tokens"]), "ar_tokens_per_query": a["tokens"] / b,
-        "speedup": a_total / d_total,
+        "single_s": s_total, "single_stages_s": single,
+        "ar_tokens": int(a.get("tokens", 0)), "ar_tokens_per_query": a.get("tokens", 0.0) / b,
+        "speedup": a_total / d_total, "diffusion_vs_single": d_total / s_total,
         "solver_gflops": achieved, "solver_share_of_peak": achieved / peak if peak else None,
         "paper_ar_s": PAPER_SECONDS.get(b, (None, None))[0],
         "paper_diffusion_s": PAPER_SECONDS.get(b, (None, None))[1],
@@ -179,20 +144,22 @@ def markdown(report: dict) -> str:
         f"- diffusion sampler: {s['solver']}, {s['steps']} steps, CFG w={s['cfg_weight']}, "
         f"{s.get('draws') or 1} draw(s), context {s.get('context_source') or 'nearest'}, "
         f"{s['params']:,} params, {s['flops_per_query'] / 1e6:.0f} MFLOP/query",
-        f"- AR fan-out model: {report['folm']['params']:,} params, greedy, "
+        f"- AR fan-out model: {report['folm']['params']:,} params, "
+        f"T={report['folm'].get('temperature')} (as served), "
         f"{report['folm'].get('decoding', 'lines')} decoding, "
         f"≤ {report['folm']['max_new_tokens']} new tokens, named sub-queries looked up",
-        f"- each figure is the fastest of {REPEATS} runs; seconds per batch, encode + model + "
-        "search (k distinct items)", "",
-        "| batch | AR (s) | diffusion (s) | speedup | AR decode | AR encode+search | "
-        "diff. encode | diff. solver | diff. search | AR tokens/query | solver GFLOP/s "
-        "(share of peak) | paper AR / diff. (s) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"- each figure is the fastest of {REPEATS} runs; seconds per batch through the "
+        "service's path objects (k distinct items), their own stage clocks", "",
+        "| batch | AR (s) | diffusion (s) | single (s) | speedup | diffusion / single | "
+        "AR decode | AR encode+search | diff. encode | diff. solver | diff. search | "
+        "AR tokens/query | solver GFLOP/s (share of peak) | paper AR / diff. (s) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         a, d = r["ar_stages_s"], r["diffusion_stages_s"]
         lines.append(
-            f"| {r['batch']} | {r['ar_s']:.3f} | {r['diffusion_s']:.3f} | {r['speedup']:.1f}x | "
+            f"| {r['batch']} | {r['ar_s']:.3f} | {r['diffusion_s']:.3f} | {r['single_s']:.4f} | "
+            f"{r['speedup']:.1f}x | {r['diffusion_vs_single']:.1f}x | "
             f"{a['decode']:.3f} | {a['encode'] + a['search']:.3f} | {d['encode']:.3f} | "
             f"{d['solver']:.3f} | {d['search']:.3f} | {r['ar_tokens_per_query']:.0f} | "
             f"{r['solver_gflops']:.1f} ({100 * (r['solver_share_of_peak'] or 0):.0f}%) | "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from training.denoiser import SetDenoiser, count_params, flops_per_step, preset
+from training.denoiser import Denoiser, count_params, flops_per_step, preset
 from training.samplers import euler_pf_ode
 
 BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -24,7 +24,7 @@ PAPER_DIFFUSION_S = {8: 0.090, 16: 0.098, 32: 0.157, 64: 0.230, 128: 0.527, 256:
 
 
 @torch.no_grad()
-def seconds_per_batch(model: SetDenoiser, batch: int, steps: int, cfg: float,
+def seconds_per_batch(model: Denoiser, batch: int, steps: int, cfg: float,
                       dtype: torch.dtype | None, repeats: int) -> float:
     device = next(model.parameters()).device
     query = torch.randn(batch, model.config.dim, device=device)  # (B, d)
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     args = parser.parse_args()
-    model = SetDenoiser(preset(args.preset)).to(args.device).eval()
+    model = Denoiser(preset(args.preset)).to(args.device).eval()
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         fp32 = seconds_per_batch(model, batch, args.steps, args.cfg, None, args.repeats)

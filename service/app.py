@@ -1,8 +1,10 @@
 """The HTTP API: `create_app(settings) -> FastAPI`.
 
 Start-up loads the bundle in the background (verify, load runtimes, warm up every path);
-/healthz answers at once, /readyz turns 200 when warm-up ends. Errors of the project's
-hierarchy (service.errors) are mapped to HTTP here, in one place, with one JSON envelope.
+/healthz answers at once, /readyz turns 200 when warm-up ends and lists the routes served.
+With `watch_s` set, a bundle that is still being built is reloaded as each stage lands.
+Errors of the project's hierarchy (service.errors) are mapped to HTTP here, in one place, with
+one JSON envelope.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from service.bundle import now_iso
+from service.bundle import MANIFEST, now_iso, read_build_status
 from service.errors import InputError, OverloadError, R4TError, UnavailableError
 from service.metrics import Metrics
 from service.middleware import (
@@ -189,6 +191,32 @@ class ServiceState:
             self.startup, self.startup_error = "failed", f"{type(exc).__name__}: {exc}"
             log.error("start-up failed: %s", self.startup_error)
 
+    async def watch(self) -> None:
+        """Reload the served bundle when its manifest changes (a stage landed); a bundle that
+        was absent or refused at start-up is loaded once it can be."""
+        seen = self.manifest_stamp()
+        while True:
+            await asyncio.sleep(self.settings.watch_s)
+            stamp = self.manifest_stamp()
+            busy = self.startup == "loading" or (self.reload_task is not None
+                                                 and not self.reload_task.done())
+            if stamp == seen or stamp is None or busy:
+                continue
+            seen = stamp
+            log.info("bundle changed on disk, reloading", extra={"info": {"stamp": stamp}})
+            self.reload_task = asyncio.create_task(self.do_reload(self.served_path()))
+            await asyncio.shield(self.reload_task)
+
+    def served_path(self) -> Path:
+        return self.retriever.bundle.path if self.retriever else self.settings.bundle
+
+    def manifest_stamp(self) -> float | None:
+        """The manifest's modification time (it is replaced atomically on every commit)."""
+        try:
+            return (self.served_path() / MANIFEST).stat().st_mtime
+        except OSError:
+            return None
+
     async def retire(self, old: Retriever) -> None:
         """Close a swapped-out retriever once requests holding it are past their deadline."""
         try:
@@ -267,8 +295,9 @@ def create_app(settings: Settings | None = None, loaders: Loaders | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         starting = asyncio.create_task(state.start())
+        watching = [asyncio.create_task(state.watch())] if settings.watch_s > 0 else []
         yield
-        tasks = [starting, *state.retiring]
+        tasks = [starting, *watching, *state.retiring]
         if state.reload_task is not None:
             tasks.append(state.reload_task)
         for task in tasks:
@@ -306,11 +335,12 @@ def install_routes(app: FastAPI, state: ServiceState) -> None:
     @app.get("/readyz", tags=["ops"], summary="200 once the bundle is loaded and warmed up.",
              responses={503: {"description": "Loading, or start-up failed"}})
     async def readyz() -> JSONResponse:
+        building = (read_build_status(state.served_path()) or {}).get("state") == "running"
         if state.retriever is None:
-            body = {"status": state.startup, "reason": state.startup_error}
+            body = {"status": state.startup, "reason": state.startup_error, "building": building}
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ready", "bundle": state.retriever.bundle.name,
-                             "paths": sorted(state.retriever.paths)})
+                             "routes": state.retriever.routes, "building": building})
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics.")
     async def prometheus() -> Response:
@@ -322,7 +352,8 @@ def install_routes(app: FastAPI, state: ServiceState) -> None:
         served = state.retriever.info() if state.retriever is not None else None
         return {"status": state.startup, "startup_error": state.startup_error,
                 "settings": settings.public(), "served": served,
-                "reload": state.reload.model_dump()}
+                "reload": state.reload.model_dump(),
+                "build": read_build_status(state.served_path())}
 
     install_retrieval(app, state)
     install_admin(app, state)

@@ -3,6 +3,12 @@
 A bundle is written stage by stage (catalog, index, benchmark, then the models); each stage's
 files are moved in and the manifest is replaced atomically last, so a bundle on disk is
 either consistent or refused on load with a clear reason.
+
+Each stage's record holds its `config_hash` and its `inputs`: the hash of every stage it read
+(STAGE_INPUTS) when it was built. A stage is current only while its config is the one it
+would be built with now and each input is still the record it was built from
+(`stage_status`). While `training.pipeline.build_bundle` runs it keeps `build.json` up to
+date (`read_build_status`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,6 +37,18 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 INDEX_FILE = "index.faiss"
 REPORTS_DIR = "eval"  # evaluation reports: written after the fact, not checksummed
+BUILD_STATUS = "build.json"  # progress of a running `build_bundle`, not checksummed
+
+# The stages each stage reads. Stage 1 is `folm-warmstart` then `folm` (its GRPO policy),
+# stage 2 `synthesis` (a run folder, no bundle files), stage 3 `diffusion`.
+STAGE_INPUTS: dict[str, tuple[str, ...]] = {
+    "catalog": (),
+    "benchmark": ("catalog",),
+    "folm-warmstart": ("catalog", "benchmark"),
+    "folm": ("catalog", "benchmark", "folm-warmstart"),
+    "synthesis": ("catalog", "benchmark", "folm"),
+    "diffusion": ("catalog", "synthesis"),
+}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -106,15 +126,24 @@ def new_manifest(name: str, encoder: EncoderConfig, seed: int) -> dict[str, Any]
     }
 
 
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Replace `path` atomically with `data` as JSON (write a temp file, fsync, rename)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(data, out, indent=2, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_manifest(bundle_dir: Path, manifest: dict[str, Any]) -> None:
-    """Replace the manifest atomically (write a temp file, fsync, rename)."""
+    """Replace the manifest atomically."""
     manifest["updated"] = now_iso()
-    fd, tmp = tempfile.mkstemp(dir=bundle_dir, prefix=".manifest.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        json.dump(manifest, out, indent=2, sort_keys=True)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, bundle_dir / MANIFEST)
+    write_json_atomic(bundle_dir / MANIFEST, manifest)
 
 
 def commit_stage(
@@ -125,26 +154,132 @@ def commit_stage(
     files: list[str],
     record: dict[str, Any],
 ) -> dict[str, Any]:
-    """Move a finished stage's files from `staged_dir` into the bundle and record them."""
+    """Move a finished stage's files from `staged_dir` into the bundle and record them.
+
+    The record gets the stage's `inputs` (unless it brings them) and replaces the stage's
+    previous one; files of the previous record that the new one does not list are dropped.
+    Prefer `with stage(...)`, which stages, commits and cleans up."""
+    inputs = record.get("inputs", stage_inputs(manifest, stage))
+    previous = manifest.get("stages", {}).get(stage) or {}
     for name in files:
         target = bundle_dir / name
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged_dir / name, target)
         manifest["files"][name] = {"sha256": sha256_file(target), "bytes": target.stat().st_size}
+    dropped = set(previous.get("files", ())) - set(files)
+    for name in dropped:
+        manifest["files"].pop(name, None)
     manifest["stages"][stage] = {
         **record,
+        "inputs": inputs,
         "files": sorted(files),
         "git_commit": git_commit(),
         "finished": now_iso(),
     }
     write_manifest(bundle_dir, manifest)
+    for name in dropped:
+        (bundle_dir / name).unlink(missing_ok=True)
     shutil.rmtree(staged_dir, ignore_errors=True)
     return manifest
 
 
-def stage_is_current(manifest: dict[str, Any], stage: str, stage_config: dict[str, Any]) -> bool:
-    record = manifest.get("stages", {}).get(stage)
-    return bool(record) and record.get("config_hash") == config_hash(stage_config)
+@contextmanager
+def stage(
+    bundle_dir: Path, manifest: dict[str, Any], name: str, record: dict[str, Any]
+) -> Iterator[Path]:
+    """`with stage(bundle_dir, manifest, "folm", record) as staged:` yields a staging folder
+    inside the bundle; the body writes the stage's files under it and may add to `record`.
+    When the body returns, the files are committed (those the body lists in
+    `record["files"]`, else every file written under `staged`) with `record` as the stage's
+    manifest record, its `inputs` taken from `manifest` as it was on entry. When the body
+    raises, the bundle is left as it was. The staging folder is removed either way."""
+    bundle_dir = Path(bundle_dir)
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    inputs = stage_inputs(manifest, name)
+    staged = Path(tempfile.mkdtemp(prefix=f".staging-{name}-", dir=bundle_dir))
+    try:
+        yield staged
+        files = record.get("files")
+        if files is None:
+            files = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*")
+                           if p.is_file())
+        commit_stage(bundle_dir, manifest, name, staged, list(files),
+                     {"inputs": inputs, **record})
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def stage_hash(manifest: dict[str, Any], name: str) -> str | None:
+    """The identity of a stage's current record (None when absent): its config hash, its
+    inputs and the sha256 of its files; a rebuild that changes any of them changes it."""
+    record = manifest.get("stages", {}).get(name)
+    if not record:
+        return None
+    files = manifest.get("files", {})
+    return config_hash({
+        "config_hash": record.get("config_hash"), "inputs": record.get("inputs"),
+        "files": {f: files.get(f, {}).get("sha256") for f in record.get("files", ())},
+    })
+
+
+def stage_inputs(manifest: dict[str, Any], name: str) -> dict[str, str]:
+    """{input stage: its stage_hash} of the inputs (STAGE_INPUTS) the manifest holds now."""
+    hashes = {dep: stage_hash(manifest, dep) for dep in STAGE_INPUTS.get(name, ())}
+    return {dep: h for dep, h in hashes.items() if h is not None}
+
+
+def stage_status(
+    manifest: dict[str, Any], name: str, stage_config: dict[str, Any],
+    changing: Iterable[str] = (),
+) -> tuple[str, str]:
+    """(action, reason) for a stage that would be built with `stage_config` now:
+    ("current", ""), ("build", "absent"), ("rebuild", "config changed") or
+    ("rebuild", "catalog changed") when an input's record is not the one it was built from
+    or is in `changing` (stages about to be rebuilt)."""
+    record = manifest.get("stages", {}).get(name)
+    if not record:
+        return "build", "absent"
+    if record.get("config_hash") != config_hash(stage_config):
+        return "rebuild", "config changed"
+    recorded = record.get("inputs")
+    if recorded is None:
+        return "rebuild", "its inputs were not recorded"
+    now = stage_inputs(manifest, name)
+    changed = [dep for dep in STAGE_INPUTS.get(name, ())
+               if dep in set(changing) or recorded.get(dep) != now.get(dep)]
+    if changed:
+        return "rebuild", f"{', '.join(changed)} changed"
+    return "current", ""
+
+
+def read_build_status(bundle_dir: Path) -> dict[str, Any] | None:
+    """The progress of the bundle's last `build_bundle` (build.json), or None when there is
+    none: {"state": "running"|"done"|"failed", "pid", "started", "updated", "plan": [{"stage",
+    "action", "reason"}], "current", "finished", "error"}. A "running" build whose process is
+    gone reads as "failed"."""
+    try:
+        status = json.loads((Path(bundle_dir) / BUILD_STATUS).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(status, dict):
+        return None
+    if status.get("state") == "running" and not process_alive(status.get("pid")):
+        status["state"] = "failed"
+        status["error"] = f"the build (pid {status.get('pid')}) stopped without finishing"
+    return status
+
+
+def process_alive(pid: Any) -> bool:
+    """Whether a process of this id runs on this machine."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +23,13 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from service.errors import BundleError
+from service.fanout import Generation
 from service.sessions import open_session
 from service.trie import NameConstraint, RowState, name_grammar
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 FOLM_CONFIG = "folm.json"
-
-
-@dataclass
-class Generation:
-    text: str  # the completion, special tokens removed
-    n_tokens: int  # tokens generated, <eos> included when produced
 
 
 def sample_categorical(

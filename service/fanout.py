@@ -30,6 +30,14 @@ SEPARATOR = "\n"
 MAX_SUBQUERY_CHARS = 200
 
 
+@dataclass
+class Generation:
+    """One fan-out completion as a backend returns it."""
+
+    text: str  # the completion, special tokens removed
+    n_tokens: int  # tokens generated, <eos> included when produced (0 when unknown)
+
+
 def build_prompt(query: str, context: Sequence[str] = ()) -> str:
     """The policy's prompt; `context` is the query's nearest catalog names, best first."""
     names = CONTEXT_TEMPLATE.format(names=CONTEXT_SEPARATOR.join(context)) if context else ""

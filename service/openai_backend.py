@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from service.errors import UnavailableError
+from service.fanout import Generation
 
 RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_RETRY_AFTER_S = 5.0
@@ -60,7 +61,7 @@ class OpenAICompletionBackend:
             "timeout_s": c.timeout_s, "retries": c.retries,
         }
 
-    def generate(self, prompts: list[str]) -> list[str]:
+    def generate(self, prompts: list[str]) -> list[Generation]:
         body = {
             "model": self.config.model,
             "prompt": list(prompts),
@@ -69,7 +70,7 @@ class OpenAICompletionBackend:
             "n": 1,
         }
         payload = self._post("/completions", body)
-        return self._texts(payload, len(prompts))
+        return [Generation(text, 0) for text in self._texts(payload, len(prompts))]
 
     def close(self) -> None:
         self._client.close()

@@ -1,5 +1,9 @@
-"""The two retrieval paths. Each takes a batch of queries and returns, per query, k distinct
-items, the content-side groundedness of its probes and the batch's per-stage timings.
+"""The retrieval paths, one object per route. Each takes a batch of queries and returns, per
+query, k distinct items, the probes they were resolved from, the content-side groundedness of
+those probes and the batch's per-stage timings. Serving, evaluation and the benchmark all call
+these objects, so what is measured is what is served.
+
+- single: encode → one top-k search (the floor every other route is compared with);
 
 - diffusion: encode → [its context, when the denoiser attends to one: the query's nearest
   items or the items the fan-out prompt names, as `context_source` in diffusion.json says] →
@@ -16,7 +20,6 @@ items, the content-side groundedness of its probes and the batch's per-stage tim
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,11 +29,10 @@ import numpy as np
 from service.bundle import Bundle
 from service.encoder import Encoder, normalize
 from service.errors import BundleError
-from service.fanout import PromptBuilder, parse_fanout
+from service.fanout import Generation, PromptBuilder, parse_fanout
 from service.grounding import NameGrounding, PromptNeighbourhood
-from service.index import neighbourhood
-from service.resolution import first_distinct_rows
-from service.selection import Selection, select_items
+from service.index import neighbourhood, search
+from service.resolution import Selection, first_distinct_rows, resolve_items
 from service.trie import DECODINGS, NAME_SCOPES, NameConstraint
 
 
@@ -44,8 +46,12 @@ class PathQuery:
 class PathAnswer:
     selection: Selection
     groundedness: float
-    timings_s: dict[str, float]  # compute stages of the whole batch
+    probes: np.ndarray  # (P, d) what the items were resolved from; slot i is probes[i]
+    timings_s: dict[str, float] = field(default_factory=dict)  # stages of the whole batch
     notes: list[str] = field(default_factory=list)
+    well_formed: bool = True  # False: a malformed fan-out (its probes are the usable lines)
+    subqueries: list[str] = field(default_factory=list)  # AR: the usable fan-out lines
+    tokens: int = 0  # AR: tokens the fan-out model generated for this query
 
 
 class StageClock:
@@ -77,35 +83,47 @@ class FanoutBackend(Protocol):
 
     name: str
 
-    def generate(self, prompts: list[str]) -> list[str]: ...
+    def generate(self, prompts: list[str]) -> list[Generation]: ...
 
     def describe(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 
 
-def select_by_k(
-    bundle: Bundle,
-    probes: list[np.ndarray],
-    queries: np.ndarray,
-    ks: list[int],
-    max_rounds: list[int | None] | None = None,
-) -> tuple[list[Selection], np.ndarray]:
-    """select_items for a batch whose queries may ask for different k."""
-    caps = max_rounds or [None] * len(ks)
-    selections: list[Selection | None] = [None] * len(ks)
-    grounded = np.zeros(len(ks), dtype=np.float32)
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, k in enumerate(ks):
-        groups[k].append(i)
-    for k, members in groups.items():
-        chosen, g = select_items(
-            bundle.index, [probes[i] for i in members], queries[members], k,
-            [caps[i] for i in members],
-        )
-        for j, i in enumerate(members):
-            selections[i], grounded[i] = chosen[j], g[j]
-    return [s for s in selections if s is not None], grounded
+def stamp(answers: list[PathAnswer], clock: StageClock) -> list[PathAnswer]:
+    """Give every answer of a batch the batch's stage timings."""
+    for answer in answers:
+        answer.timings_s = clock.timings
+    return answers
+
+
+class SinglePath:
+    """Query embedding → its k nearest items: one dense query, the floor of every route."""
+
+    name = "single"
+
+    def __init__(self, bundle: Bundle, encoder: Encoder) -> None:
+        self.bundle, self.encoder = bundle, encoder
+        self.providers = ["faiss"]
+
+    def describe(self) -> dict[str, Any]:
+        return {"providers": self.providers, "index": type(self.bundle.index).__name__}
+
+    def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
+        clock = StageClock()
+        queries = self.encoder.encode([q.text for q in batch])  # (B, d)
+        clock.lap("encode")
+        scores, rows = search(self.bundle.index, queries, max(q.k for q in batch))  # (B, k)
+        clock.lap("search")
+        answers = []
+        for query, probe, found, score in zip(batch, queries, rows, scores, strict=True):
+            keep = found[: query.k] >= 0
+            selection = Selection(found[: query.k][keep].tolist(),
+                                  score[: query.k][keep].tolist(), [0] * int(keep.sum()))
+            grounded = float(np.clip(score[0], 0.0, 1.0)) if len(score) else 0.0
+            answers.append(PathAnswer(selection, grounded, probe[None]))  # (1, d) probe
+        clock.lap("postprocess")
+        return stamp(answers, clock)
 
 
 CONTEXT_SOURCES = ("nearest", "prompt")
@@ -198,16 +216,16 @@ class DiffusionPath:
             raise RuntimeError("sampler returned non-finite rows")
         rows = normalize(rows)  # (B, L, d) unit rows: inner product = cosine
         clock.lap("solver")
-        selections, grounded = select_by_k(self.bundle, list(rows), queries, [q.k for q in batch])
+        selections, grounded = resolve_items(self.bundle.index, list(rows), queries,
+                                             [q.k for q in batch])
         clock.lap("search")
         answers = []
-        for selection, g in zip(selections, grounded.tolist(), strict=True):
+        for selection, g, probes in zip(selections, grounded.tolist(), rows, strict=True):
             notes = [f"{selection.filled} slots filled from the query's dense neighbours"]
-            answers.append(PathAnswer(selection, g, {}, notes if selection.filled else []))
+            answers.append(PathAnswer(selection, g, probes, notes=notes if selection.filled
+                                      else []))
         clock.lap("postprocess")
-        for answer in answers:
-            answer.timings_s = clock.timings
-        return answers
+        return stamp(answers, clock)
 
 
 class OnnxFanoutBackend:
@@ -234,12 +252,11 @@ class OnnxFanoutBackend:
         self.names = NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]), decoding,
                                     catalog_names) if decoding in NAME_SCOPES else None
 
-    def generate(self, prompts: list[str]) -> list[str]:
-        generations = self.decoder.generate(
+    def generate(self, prompts: list[str]) -> list[Generation]:
+        return self.decoder.generate(
             prompts, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
             seed=self.seed, enforce_lines=self.decoding != "free", names=self.names,
         )
-        return [g.text for g in generations]
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -280,37 +297,34 @@ class AutoregressivePath:
         clock.lap("encode")
         prompts = self.prompt_builder.prompts(texts, queries)
         clock.lap("search")
-        completions = self.backend.generate(prompts)
-        if len(completions) != len(batch):
-            raise RuntimeError(f"{len(completions)} completions for {len(batch)} queries")
+        generations = self.backend.generate(prompts)
+        if len(generations) != len(batch):
+            raise RuntimeError(f"{len(generations)} completions for {len(batch)} queries")
         clock.lap("decode")
-        parsed = [parse_fanout(text, self.fanout_k) for text in completions]
+        parsed = [parse_fanout(g.text, self.fanout_k) for g in generations]
         subs = [[s for s, ok in zip(p.subqueries, p.valid, strict=True) if ok] for p in parsed]
         flat = [s for group in subs for s in group]
         clock.lap("postprocess")
         owners = np.repeat(queries, [len(group) for group in subs], axis=0)  # (ΣS, d)
         embedded, _ = self.grounding.probes(flat, owners, self.encoder.encode)  # (ΣS, d)
         clock.lap("encode")
-        probes, start = [], 0
-        for group in subs:
-            probes.append(embedded[start : start + len(group)])  # (S_i, d)
-            start += len(group)
+        probes = np.split(embedded, np.cumsum([len(group) for group in subs])[:-1])  # (S_i, d)
         # A malformed fan-out's missing slots come from the query's own dense neighbours.
         caps: list[int | None] = [None if p.well_formed else 1 for p in parsed]
-        selections, grounded = select_by_k(
-            self.bundle, probes, queries, [q.k for q in batch], caps
-        )
+        selections, grounded = resolve_items(self.bundle.index, probes, queries,
+                                             [q.k for q in batch], caps)
         clock.lap("search")
         answers = []
-        for p, group, selection, g in zip(parsed, subs, selections, grounded.tolist(), strict=True):
+        for p, group, found, generation, selection, g in zip(
+                parsed, subs, probes, generations, selections, grounded.tolist(), strict=True):
             notes = []
             if not p.well_formed:
-                usable = f"{len(group)} of {self.fanout_k}"
-                notes.append(f"malformed fan-out: {usable} sub-queries usable")
+                notes.append(f"malformed fan-out: {len(group)} of {self.fanout_k} sub-queries "
+                             "usable")
             if selection.filled:
                 notes.append(f"{selection.filled} slots filled from the query's dense neighbours")
-            answers.append(PathAnswer(selection, g, {}, notes))
+            answers.append(PathAnswer(selection, g, found, notes=notes,
+                                      well_formed=p.well_formed, subqueries=group,
+                                      tokens=generation.n_tokens))
         clock.lap("postprocess")
-        for answer in answers:
-            answer.timings_s = clock.timings
-        return answers
+        return stamp(answers, clock)

@@ -1,7 +1,9 @@
 """The served state: one loaded bundle with its paths, batchers and router, swapped whole
-on reload. It answers a request by its A/B arm and falls back from diffusion to the AR path
-when diffusion is unavailable, fails, would miss the deadline, or fails the quality gate
-(groundedness below the threshold); every fallback is counted by reason.
+on reload. A bundle with only its catalog serves the `single` route; the AR route needs stage 1,
+diffusion stage 3. It answers a request by its A/B arm and falls back from diffusion to the AR
+path (or, without one, to `single`) when diffusion is unavailable, fails, would miss the
+deadline, or fails the quality gate (groundedness below the threshold); every fallback is
+counted by reason.
 """
 
 from __future__ import annotations
@@ -36,19 +38,19 @@ from service.paths import (
     PathAnswer,
     PathQuery,
     Sampler,
+    SinglePath,
 )
-from service.routing import Router
+from service.routing import ROUTE_ORDER, Router
 from service.schemas import Fallback, Item, RetrieveRequest, RetrieveResponse
 from service.settings import Settings
 
 log = logging.getLogger("r4t.retriever")
 
 SAMPLER_FILE = "diffusion/sampler.onnx"
-DECODER_FILE = "folm/model.onnx"
 WARMUP_QUERIES = ("camping gear", "kitchen utensils", "musical instrument", "vehicle", "tree")
 WARMUP_DEADLINE_S = 120.0
 
-RetrievalPath = DiffusionPath | AutoregressivePath
+RetrievalPath = DiffusionPath | AutoregressivePath | SinglePath
 ComponentFactory = Callable[[Path, list[str] | None, int], Any]
 
 
@@ -73,12 +75,12 @@ class Loaders:
 
 
 def _ar_backend(
-    settings: Settings, bundle: Bundle, loaders: Loaders
+    settings: Settings, bundle: Bundle, loaders: Loaders, folder: str = "folm"
 ) -> tuple[FanoutBackend, int, int]:
     """The backend, its k and the number of catalog names its prompts carry."""
     choice = settings.ar_backend
-    if choice == "onnx" or (choice == "auto" and bundle.has(DECODER_FILE)):
-        decoder = loaders.decoder(bundle.path / "folm", settings.provider_list, settings.threads)
+    if choice == "onnx" or (choice == "auto" and bundle.has(f"{folder}/model.onnx")):
+        decoder = loaders.decoder(bundle.path / folder, settings.provider_list, settings.threads)
         decoding = settings.ar_decoding or str(decoder.config.get("decoding", "lines"))
         names = item_names(bundle.items.texts) if decoding == "catalog" else []
         backend = OnnxFanoutBackend(
@@ -101,14 +103,23 @@ def _ar_backend(
             temperature=settings.ar_temperature or 0.0, max_tokens=settings.ar_max_new_tokens,
         )
         return OpenAICompletionBackend(config), settings.fanout_k, settings.ar_context or 0
-    raise BundleError(f"bundle has no {DECODER_FILE} and R4T_OPENAI_BASE_URL is not set")
+    raise BundleError(f"bundle has no {folder}/model.onnx and R4T_OPENAI_BASE_URL is not set")
+
+
+def ar_path(
+    settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders | None = None,
+    folder: str = "folm",
+) -> AutoregressivePath:
+    """The AR route as `settings` configure it, over the fan-out model in `folder`."""
+    backend, fanout_k, context = _ar_backend(settings, bundle, loaders or Loaders(), folder)
+    return AutoregressivePath(bundle, encoder, backend, fanout_k, context)
 
 
 def load_paths(
     settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders
 ) -> tuple[dict[str, RetrievalPath], dict[str, str]]:
     """Build every path the bundle and settings allow; say why the others are missing."""
-    paths: dict[str, RetrievalPath] = {}
+    paths: dict[str, RetrievalPath] = {"single": SinglePath(bundle, encoder)}
     problems: dict[str, str] = {}
     try:
         if not bundle.has(SAMPLER_FILE):
@@ -119,8 +130,7 @@ def load_paths(
     except Exception as exc:
         problems["diffusion"] = f"{type(exc).__name__}: {exc}"
     try:
-        backend, fanout_k, context = _ar_backend(settings, bundle, loaders)
-        paths["ar"] = AutoregressivePath(bundle, encoder, backend, fanout_k, context)
+        paths["ar"] = ar_path(settings, bundle, encoder, loaders)
     except Exception as exc:
         problems["ar"] = f"{type(exc).__name__}: {exc}"
     return paths, problems
@@ -209,6 +219,11 @@ class Retriever:
         return {name: path.providers for name, path in self.paths.items()}
 
     @property
+    def routes(self) -> list[str]:
+        """The routes this bundle serves, best first."""
+        return [name for name in ROUTE_ORDER if name in self.paths]
+
+    @property
     def version(self) -> str:
         m = self.bundle.manifest
         return f"{self.bundle.name}@{m.get('updated') or m.get('created', 'unknown')}"
@@ -238,7 +253,7 @@ class Retriever:
                 if reason is not None:
                     self.metrics.fallbacks.labels(reason=reason).inc()
                     timings["diffusion_attempt"] = time.monotonic() - started
-                    route = "ar"
+                    route = "ar" if "ar" in self.batchers else "single"
             if completed is None:
                 completed = await self._submit(route, query, deadline, reason)
         except R4TError as exc:  # the HTTP layer labels the failure with the path tried

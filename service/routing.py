@@ -4,7 +4,8 @@ Weights come from settings (e.g. `diffusion=0.9,ar=0.1`). A request with a `user
 assigned by a stable hash of it (the same user always lands in the same arm, across
 processes and restarts); without one the arm is drawn at random. A request naming a route
 overrides the weights and is labelled arm "override". Arms whose path is not loaded are
-left out and the remaining weights renormalised.
+left out and the remaining weights renormalised; when none is loaded, every request goes to
+the best route that is (ROUTE_ORDER): a bundle still being built serves what it has.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import random
 from dataclasses import dataclass
 
 OVERRIDE_ARM = "override"
+ROUTE_ORDER = ("diffusion", "ar", "single")  # best first
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,9 @@ class Router:
         self, weights: dict[str, float], available: set[str], seed: int | None = None
     ) -> None:
         live = {name: w for name, w in sorted(weights.items()) if name in available and w > 0}
-        if not live:  # configured arms absent: serve whatever path is loaded
-            live = {name: 1.0 for name in sorted(available)}
+        if not live:  # configured arms absent: the best route that is loaded
+            best = [name for name in ROUTE_ORDER if name in available][:1]
+            live = {name: 1.0 for name in best}
         total = sum(live.values())
         self.weights = {name: w / total for name, w in live.items()}
         self._rng = random.Random(seed)

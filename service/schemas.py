@@ -15,7 +15,8 @@ MAX_K = 100
 MAX_BATCH_QUERIES = 64
 MAX_USER_ID_CHARS = 200
 
-Route = Literal["auto", "diffusion", "ar"]
+Route = Literal["auto", "diffusion", "ar", "single"]
+ServedRoute = Literal["diffusion", "ar", "single"]
 
 RETRIEVE_EXAMPLE = {"query": "camping gear", "k": 10, "route": "auto", "user_id": "user-42"}
 
@@ -32,7 +33,8 @@ class RetrieveRequest(BaseModel):
     )
     k: int = Field(10, ge=1, le=MAX_K, description="Number of distinct items to return.")
     route: Route = Field(
-        "auto", description="'auto' follows the A/B weights; 'diffusion'/'ar' force a path."
+        "auto", description="'auto' follows the A/B weights among the loaded routes; "
+        "'diffusion', 'ar' or 'single' (one dense query) force one."
     )
     user_id: str | None = Field(
         None, max_length=MAX_USER_ID_CHARS, description="Sticky A/B assignment key."
@@ -72,7 +74,8 @@ class Item(BaseModel):
 
 
 class Fallback(BaseModel):
-    used: bool = Field(description="True when the AR path answered a diffusion request.")
+    used: bool = Field(description="True when another route (AR, else single) answered a "
+                       "diffusion request.")
     reason: str | None = Field(
         None, description="unavailable | error | deadline | quality (null when not used)."
     )
@@ -98,7 +101,7 @@ class RetrieveResponse(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [RESPONSE_EXAMPLE]})
 
     items: list[Item] = Field(description="Exactly k distinct items.")
-    route: Literal["diffusion", "ar"] = Field(description="The path that answered.")
+    route: ServedRoute = Field(description="The path that answered.")
     arm: str = Field(description="A/B arm: a route name, or 'override' when route was forced.")
     fallback: Fallback
     bundle: str = Field(description="Name of the bundle that answered.")

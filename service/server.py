@@ -2,6 +2,9 @@
 
 Every log line carries the request id of the request it belongs to (see service.middleware).
 Settings come from `R4T_*` environment variables; the command's flags override them.
+`r4t serve --build` also runs `r4t bundle` in a child process and serves whatever the bundle
+holds as each stage lands (the `single` route once the catalog exists), so a fresh machine
+answers within minutes instead of after the whole offline job.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ import json
 import logging
 import logging.config
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,6 +26,8 @@ from service.middleware import current_request_id
 from service.settings import Settings
 
 DEFAULT_BUNDLE = Path("models/default")  # the r4t command's --bundle default
+WATCH_S = 2.0  # manifest poll period while a background build runs
+BUILD_NICENESS = 10  # the build yields the cores to requests
 STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys()) | {
     "message", "asctime", "taskName", "color_message",
 }
@@ -79,6 +88,23 @@ def serve(settings: Settings | None = None) -> None:
     )
 
 
+@contextmanager
+def background_build(bundle: Path) -> Iterator[subprocess.Popen]:
+    """`r4t bundle` in a lower-priority child process (its progress bars on this terminal);
+    stopped when serving ends."""
+    command = [sys.executable, "-m", "training.cli", "--bundle", str(bundle), "bundle"]
+    child = subprocess.Popen(command, preexec_fn=lambda: os.nice(BUILD_NICENESS))
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     """Flags override R4T_* variables; R4T_BUNDLE wins over an unchanged default --bundle."""
     overrides: dict[str, Any] = {}
@@ -88,7 +114,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
-    serve(Settings(**overrides))
+    settings = Settings(**overrides)
+    if not getattr(args, "build", False):
+        serve(settings)
+        return
+    if not settings.watch_s:
+        settings = settings.model_copy(update={"watch_s": WATCH_S})
+    with background_build(settings.bundle):
+        serve(settings)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -103,4 +136,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="OpenAI-compatible endpoint for the AR path")
     parser.add_argument("--providers", default=None, help="ONNX Runtime providers or 'auto'")
     parser.add_argument("--log-level", default=None, help="log level (R4T_LOG_LEVEL)")
+    parser.add_argument("--build", action="store_true",
+                        help="also build what the bundle lacks (`r4t bundle`, in the "
+                             "background) and serve each route as its stage lands")
     parser.set_defaults(func=cmd_serve)

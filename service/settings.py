@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.schemas import MAX_BATCH_QUERIES, MAX_K, MAX_QUERY_CHARS
 
-ROUTES = ("diffusion", "ar")
+ROUTES = ("diffusion", "ar", "single")
 
 
 def parse_weights(text: str) -> dict[str, float]:
@@ -92,6 +92,11 @@ class Settings(BaseSettings):
         "fall back to the AR path (quality gate); -1 disables it.",
     )
     warmup_queries: int = Field(2, ge=1, description="Queries per warm-up batch of each path.")
+    watch_s: float = Field(
+        0.0, ge=0, description="Poll the served bundle's manifest this often (seconds) and "
+        "reload it, verified, when a stage lands (a bundle being built); 0 = only "
+        "/admin/reload.",
+    )
     # --- autoregressive path
     ar_backend: Literal["auto", "onnx", "openai"] = Field(
         "auto", description="'onnx' = the bundle's folm/ decoder, 'openai' = an "

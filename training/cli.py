@@ -22,35 +22,24 @@ def _catalog_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
 
 
-def cmd_catalog(args: argparse.Namespace) -> None:
-    from training.pipeline import CatalogConfig, build_catalog
+def _catalog_config(args: argparse.Namespace):  # -> training.pipeline.CatalogConfig
+    from training.pipeline import CatalogConfig
 
-    config = CatalogConfig(
-        source=args.source, benchmark=args.benchmark, dim=args.dim,
-        index_factory=args.index_factory, seed=args.seed,
-    )
-    build_catalog(args.bundle, config, force=args.force)
+    return CatalogConfig(source=args.source, benchmark=args.benchmark, dim=args.dim,
+                         index_factory=args.index_factory, seed=args.seed)
+
+
+def cmd_catalog(args: argparse.Namespace) -> None:
+    from training.pipeline import build_catalog
+
+    build_catalog(args.bundle, _catalog_config(args), force=args.force)
 
 
 def cmd_bundle(args: argparse.Namespace) -> None:
-    """Every stage in order, each skipped when the bundle already holds its output."""
-    from service.bundle import read_manifest
+    """Every stage in order, each rebuilt only when it is not current (see the plan printed)."""
+    from training.pipeline import build_bundle
 
-    cmd_catalog(args)
-    bundle = ["--bundle", str(args.bundle)]
-    stages = read_manifest(args.bundle)["stages"]
-    steps: list[list[str]] = []
-    if "folm" not in stages:
-        steps += [["train", "folm"], ["export", "folm"]]
-    if "diffusion" not in stages:
-        steps += [["synthesize"], ["train", "diffusion", "--threads", "1"],
-                  ["export", "diffusion"]]
-    for step in steps:
-        print(f"== r4t {' '.join(step)}", flush=True)
-        step_args = build_parser().parse_args(bundle + step)
-        step_args.func(step_args)
-    if not steps:
-        print(f"{args.bundle}: every stage is up to date")
+    build_bundle(args.bundle, _catalog_config(args), force=args.force, presets=args.preset)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -61,7 +50,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from training.methods import BASELINES
 
     if args.steps_curve:
-        from training.diffusion_methods import run_steps_curve
+        from training.steps_curve import run_steps_curve
 
         run_steps_curve(args.bundle, args.split, args.k, args.limit, args.seeds)
         return
@@ -97,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bundle = sub.add_parser("bundle", help="build or complete every stage of a bundle")
     _catalog_args(bundle)
+    bundle.add_argument("--preset", default="cpu", choices=("cpu", "tiny"),
+                        help="stages 1-3: every stage's cpu preset (default) or tiny (seconds)")
     bundle.set_defaults(func=cmd_bundle)
 
     ev = sub.add_parser("eval", help="evaluate methods on a benchmark split")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 
 def subcommand_group(
@@ -46,40 +47,59 @@ def non_negative(text: str) -> int:
 
 
 def register_diffusion(sub: argparse._SubParsersAction) -> None:
-    """`r4t train diffusion` and `r4t export diffusion` (defaults live in the torch modules)."""
+    """`r4t train diffusion` and `r4t export diffusion`. Their defaults live in the torch
+    modules (training presets; `training.diffusion_export.ExportConfig`), so the help says
+    where a default comes from rather than restating it."""
     train = subcommand_group(sub, "train", "train models").add_parser(
         "diffusion", help="train the stage-3 diffusion denoiser")
-    train.add_argument("--preset", default="cpu", help="cpu (default), paper or tiny")
-    train.add_argument("--head", default=None, choices=("vector", "context"),
-                       help="denoiser output: EDM vector (default) or a mixture of the context")
+    train.add_argument("--preset", default="cpu",
+                       help="training and denoiser preset: cpu, paper or tiny "
+                            "(default: %(default)s)")
     train.add_argument("--context-source", default=None, choices=("nearest", "prompt"),
-                       help="the context items: the prompt's (cpu default) or the nearest")
-    train.add_argument("--steps", type=int, default=None, help="override the preset's steps")
-    train.add_argument("--batch", type=int, default=None)
-    train.add_argument("--lr", type=float, default=None)
-    train.add_argument("--seed", type=int, default=None)
-    train.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+                       help="the context items: the prompt's or the query's nearest "
+                            "(default: the preset's)")
+    train.add_argument("--steps", type=int, default=None, help="default: the preset's")
+    train.add_argument("--batch", type=int, default=None, help="default: the preset's")
+    train.add_argument("--lr", type=float, default=None, help="default: the preset's")
+    train.add_argument("--seed", type=int, default=None, help="default: the preset's")
+    train.add_argument("--threads", type=int, default=0,
+                       help="torch threads (default: %(default)s, torch's own choice)")
     train.add_argument("--dataset", type=Path, default=None,
-                       help="stage-2 run dir (default <bundle>/runs/synthesis)")
+                       help="stage-2 run dir (default: <bundle>/runs/synthesis)")
     train.add_argument("--run-dir", type=Path, default=None,
-                       help="checkpoint dir (default <bundle>/runs/diffusion)")
+                       help="checkpoint dir (default: <bundle>/runs/diffusion)")
     train.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
     train.set_defaults(func=lazy("training.diffusion_training", "cmd_train_diffusion"))
 
     export = subcommand_group(sub, "export", "export trained models into the bundle").add_parser(
         "diffusion", help="export the denoiser and its whole sampler to ONNX")
     export.add_argument("--checkpoint", type=Path, default=None,
-                        help="default <bundle>/runs/diffusion/checkpoint.pt")
+                        help="default: <bundle>/runs/diffusion/checkpoint.pt")
     export.add_argument("--solver", default=None, choices=("euler", "heun"),
-                        help="default euler")
-    export.add_argument("--steps", type=int, default=None, help="solver steps (default 4)")
+                        help="default: ExportConfig's")
+    export.add_argument("--steps", type=int, default=None,
+                        help="solver steps (default: ExportConfig's)")
     export.add_argument("--draws", type=positive, default=None,
                         help="blocks sampled per query; a row that repeats an item is "
-                             "replaced from the next block (default 2)")
+                             "replaced from the next block (default: ExportConfig's)")
     export.add_argument("--cfg-weight", type=float, default=None,
-                        help="classifier-free guidance w in D = D_c + w·(D_c − D_u) (default 2)")
+                        help="classifier-free guidance w in D = D_c + w·(D_c − D_u) "
+                             "(default: ExportConfig's)")
     export.add_argument("--form", default=None, choices=("unrolled", "loop"),
-                        help="whole-sampler graph form (default unrolled)")
+                        help="whole-sampler graph form (default: ExportConfig's)")
     export.add_argument("--parity-batch", type=int, default=None,
-                        help="queries in the ONNX-vs-PyTorch parity check (default 4)")
+                        help="queries in the ONNX-vs-PyTorch parity check "
+                             "(default: ExportConfig's)")
     export.set_defaults(func=lazy("training.diffusion_export", "cmd_export_diffusion"))
+
+
+def given(source: argparse.Namespace | Mapping[str, Any], *names: str) -> dict[str, Any]:
+    """The values among `names` that are set (not None): of a parsed command line, the flags
+    the user gave, to override a preset or a config's defaults with
+    (`replace(preset, **given(args, "steps", "lr"))`); of a mapping, every such key when no
+    names are given."""
+    if isinstance(source, Mapping):
+        pairs = source.items() if not names else ((n, source.get(n)) for n in names)
+    else:
+        pairs = ((n, getattr(source, n, None)) for n in names)
+    return {name: value for name, value in pairs if value is not None}

@@ -2,8 +2,8 @@
 
 - `step.onnx`: one guided denoiser evaluation D(x; σ, q) (inputs x (B,L,d), sigma (B,),
   query (B,d), and context (B,C,d) when the model has one; output denoised (B,L,d)), exported
-  by torch.onnx's dynamo exporter; CFG is folded in as D = D_c + w·(D_c − D_u). This is the
-  graph for GPU serving with IO binding.
+  by torch.onnx's dynamo exporter from `Denoiser.guided`, CFG folded in as
+  D = D_c + w·(D_c − D_u). Samplers with other schedules are composed from it.
 - `sampler.onnx`: the whole solver (inputs query (B,d), [context (B,C,d): the embeddings of C
   catalog items, best first, per `context_source`], noise (B,L,d) standard normal; output rows
   (B,L,d), unit-norm), composed from the step graph: either unrolled (one copy of the step's
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from itertools import pairwise
@@ -30,10 +29,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from service.bundle import commit_stage, config_hash, read_manifest
+from service.bundle import config_hash, read_manifest, stage
 from service.errors import BundleError
 from service.sampler import CONTEXT_INPUT
-from training.denoiser import SetDenoiser, count_params, flops_per_step, guided_denoise
+from training.denoiser import PRESETS, Denoiser, DenoiserConfig, count_params, flops_per_step
 from training.samplers import sample, sigma_schedule, solver_evaluations
 
 STAGE = "diffusion"
@@ -43,17 +42,10 @@ STEP_INPUTS = ("x", "sigma", "query")
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """Default: Euler, 4 steps, w = 0 (no guidance), 2 draws: 172 MFLOP per query for the `cpu`
-    preset. All chosen on the val split (recall@5k / coverage@10):
-    - w at Euler 8: w = 0 0.584/0.147, w = 3 0.583/0.145 (an earlier student at w = 0, 1, 2,
-      3, 5: 0.586/0.148, 0.585/0.148, 0.581/0.150, 0.582/0.146, 0.580/0.153). Once the denoiser
-      sees the query's neighbourhood, guidance buys nothing measurable and doubles the cost.
-      (Before the context, w = 3 was chosen: coverage 0.097 at w = 1, 0.130 at w = 3.)
-    - steps at w = 0, the current student, 4 seeds: Euler 4 0.587/0.170, Euler 8 0.582/0.168,
-      Euler 256 0.579/0.167 (`r4t eval --steps-curve --split val --seeds 4`).
-    - draws, 4 seeds: 1 → 0.587/0.170, 2 → 0.588/0.174 (test 0.580/0.179 → 0.578/0.188;
-      train 0.607/0.173 → 0.609/0.172). The student's 10 rows hold 9.4 distinct items on
-      average; its teacher never repeats one, and the second draw fills the repeats."""
+    """The served schedule, chosen on the val split (`r4t eval --steps-curve`): once the
+    denoiser sees the query's neighbourhood, guidance buys nothing measurable and doubles the
+    cost, and more Euler steps do not help; a second draw fills the rows of the first that
+    repeat an item."""
 
     solver: str = "euler"
     steps: int = 4
@@ -72,18 +64,19 @@ class ExportConfig:
 
 
 class GuidedStep(nn.Module):
-    """The exported step: x (B,L,d), sigma (B,), query (B,d) [, context (B,C,d)] → guided D."""
+    """`Denoiser.guided` at a fixed w, as the exported step's forward: x (B,L,d), sigma (B,),
+    query (B,d) [, context (B,C,d)] → D (B,L,d)."""
 
-    def __init__(self, model: SetDenoiser, cfg_weight: float) -> None:
+    def __init__(self, model: Denoiser, cfg_weight: float) -> None:
         super().__init__()
         self.model, self.cfg_weight = model, cfg_weight
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
                 context: torch.Tensor | None = None) -> torch.Tensor:
-        return guided_denoise(self.model, x, sigma, query, self.cfg_weight, context)
+        return self.model.guided(x, sigma, query, self.cfg_weight, context)
 
 
-def export_step(model: SetDenoiser, cfg_weight: float, path: Path) -> onnx.ModelProto:
+def export_step(model: Denoiser, cfg_weight: float, path: Path) -> onnx.ModelProto:
     """Dynamo export of one guided step with a dynamic batch axis."""
     config = model.config
     batch = torch.export.Dim("batch", min=1)
@@ -247,13 +240,11 @@ def compose_sampler(step: onnx.ModelProto, rows: int, dim: int, solver: str, ste
     return model
 
 
-def preset_name(model: SetDenoiser) -> str:
-    from training.denoiser import PRESETS
-
+def preset_name(model: Denoiser) -> str:
     return next((name for name, cfg in PRESETS.items() if cfg == model.config), "custom")
 
 
-def parity(model: SetDenoiser, sampler: onnx.ModelProto, config: ExportConfig) -> float:
+def parity(model: Denoiser, sampler: onnx.ModelProto, config: ExportConfig) -> float:
     """Max |ONNX − PyTorch| over a batch of random unit queries with fixed noise."""
     import onnxruntime as ort
 
@@ -279,15 +270,14 @@ def parity(model: SetDenoiser, sampler: onnx.ModelProto, config: ExportConfig) -
 
 def sampler_evaluations_flops(config: dict[str, Any], solver: str, steps: int) -> tuple[int, int]:
     """(denoiser evaluations, FLOPs) per query of a schedule, from a `diffusion.json` dict."""
-    from training.denoiser import DenoiserConfig
-
     nfe = solver_evaluations(solver, steps)
     guided = float(config["cfg_weight"]) != 0.0
     draws = int(config.get("draws", 1))
-    return nfe, draws * nfe * flops_per_step(DenoiserConfig(**config["model"]), cfg=guided)
+    return nfe, draws * nfe * flops_per_step(DenoiserConfig.from_dict(config["model"]),
+                                                 cfg=guided)
 
 
-def sampler_config(model: SetDenoiser, config: ExportConfig) -> dict[str, Any]:
+def sampler_config(model: Denoiser, config: ExportConfig) -> dict[str, Any]:
     """The serving side's `diffusion.json` (everything but the training ledger)."""
     mc = model.config
     nfe = solver_evaluations(config.solver, config.steps)
@@ -306,7 +296,7 @@ def sampler_config(model: SetDenoiser, config: ExportConfig) -> dict[str, Any]:
     }
 
 
-def write_sampler(model: SetDenoiser, config: ExportConfig, out_dir: Path) -> dict[str, Any]:
+def write_sampler(model: Denoiser, config: ExportConfig, out_dir: Path) -> dict[str, Any]:
     """Write step.onnx, sampler.onnx and diffusion.json into `out_dir`; check parity."""
     out_dir.mkdir(parents=True, exist_ok=True)
     mc = model.config
@@ -322,6 +312,11 @@ def write_sampler(model: SetDenoiser, config: ExportConfig, out_dir: Path) -> di
     return meta
 
 
+def diffusion_stage_config(config: ExportConfig, train_config_hash: str) -> dict[str, Any]:
+    """The config the diffusion stage is current by: the export's and the training's hash."""
+    return {"export": config.to_dict(), "train_config_hash": train_config_hash}
+
+
 def export_diffusion(bundle_dir: Path, checkpoint: Path, config: ExportConfig) -> dict[str, Any]:
     """Export the checkpoint's EMA weights and commit `diffusion/` into the bundle."""
     from training.diffusion_training import CURVE_FILE, LOSS_FILE, load_ema
@@ -329,8 +324,10 @@ def export_diffusion(bundle_dir: Path, checkpoint: Path, config: ExportConfig) -
     began = time.perf_counter()
     manifest = read_manifest(bundle_dir)
     model, meta = load_ema(checkpoint)
-    staged = Path(tempfile.mkdtemp(dir=bundle_dir, prefix=".stage-diffusion."))
-    try:
+    stage_config = diffusion_stage_config(config, meta["config_hash"])
+    record = {"config": stage_config, "config_hash": config_hash(stage_config),
+              "seed": config.seed}
+    with stage(bundle_dir, manifest, STAGE, record) as staged:
         sampler_meta = write_sampler(model, config, staged / STAGE)
         training = _training_summary(checkpoint.parent / LOSS_FILE, meta)
         (staged / STAGE / "training.json").write_text(json.dumps(training, indent=2) + "\n")
@@ -339,16 +336,9 @@ def export_diffusion(bundle_dir: Path, checkpoint: Path, config: ExportConfig) -
         if (checkpoint.parent / CURVE_FILE).is_file():
             shutil.copy(checkpoint.parent / CURVE_FILE, staged / STAGE / CURVE_FILE)
             files.append(f"{STAGE}/{CURVE_FILE}")
-        stage_config = {"export": config.to_dict(), "train_config_hash": meta["config_hash"]}
-        record = {
-            "config": stage_config, "config_hash": config_hash(stage_config),
-            "seed": config.seed, "wall_s": round(time.perf_counter() - began, 1),
-            "sampler": {k: v for k, v in sampler_meta.items() if k != "model"},
-            "ledger": training.get("ledger", {}),
-        }
-        commit_stage(bundle_dir, manifest, STAGE, staged, files, record)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        record.update(files=files, wall_s=round(time.perf_counter() - began, 1),
+                      sampler={k: v for k, v in sampler_meta.items() if k != "model"},
+                      ledger=training.get("ledger", {}))
     return sampler_meta
 
 
@@ -362,14 +352,13 @@ def _training_summary(loss_file: Path, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def cmd_export_diffusion(args: argparse.Namespace) -> None:
+    from training.commands import given
     from training.diffusion_training import CHECKPOINT, RUN_NAME
 
     checkpoint = args.checkpoint or args.bundle / "runs" / RUN_NAME / CHECKPOINT
     if not checkpoint.is_file():
         raise BundleError(f"no checkpoint at {checkpoint}: run `r4t train diffusion` first")
-    chosen = {name: getattr(args, name) for name in
-              ("solver", "steps", "cfg_weight", "form", "draws", "parity_batch")
-              if getattr(args, name) is not None}
-    config = ExportConfig(**chosen)
+    config = ExportConfig(**given(args, "solver", "steps", "cfg_weight", "form", "draws",
+                                  "parity_batch"))
     meta = export_diffusion(args.bundle, checkpoint, config)
     print(json.dumps({k: v for k, v in meta.items() if k != "model"}, indent=2))

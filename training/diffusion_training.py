@@ -1,13 +1,12 @@
 """Training the stage-3 denoiser on the stage-2 dataset (query embedding → block of k items).
 
-Denoising score matching with EDM's loss weighting and log-normal noise levels (or, for the
-context head, cross-entropy over the context items at the same noise levels), AdamW, EMA
-weights, linear warm-up then cosine decay, condition dropout 0.1 (paper, Table 3) for
+Denoising score matching on `Denoiser`'s output with EDM's loss weighting and log-normal noise
+levels, AdamW, EMA weights, linear warm-up then cosine decay, and condition dropout for
 classifier-free guidance. A denoiser with a context also gets, per block, C catalog items: its
 query's nearest, or those its teacher's prompt named (`context_source`; `block_neighbourhood`,
-the same lookup the service makes). Checkpoints land in
-`models/<bundle>/runs/diffusion/` and a run resumes from its checkpoint when its config
-matches. Outputs next to the checkpoint: `loss.json` (curve + ledger), `loss_curve.png`.
+the same lookup the service makes). Checkpoints land in `models/<bundle>/runs/diffusion/` and
+a run resumes from its checkpoint when its config matches. Outputs next to the checkpoint:
+`loss.json` (curve + ledger), `loss_curve.png`.
 """
 
 from __future__ import annotations
@@ -24,27 +23,18 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from service.bundle import config_hash, git_commit
 from service.errors import BundleError
 from service.grounding import PromptNeighbourhood
 from service.index import neighbour_rows
-from training.denoiser import (
-    DenoiserConfig,
-    SetDenoiser,
-    context_logits,
-    count_params,
-    denoise,
-    preset,
-)
+from training.denoiser import Denoiser, DenoiserConfig, count_params, preset
 
 RUN_NAME = "diffusion"
 CHECKPOINT = "checkpoint.pt"
 LOSS_FILE = "loss.json"
 CURVE_FILE = "loss_curve.png"
-IN_CONTEXT = 0.9999  # a target row is context item j when their cosine is at least this
 
 
 class BlockDataset(Protocol):
@@ -105,9 +95,7 @@ class TrainConfig:
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     "paper": TrainConfig(model=preset("paper"), steps=10_000_000, batch=512, lr=1e-4,
                          warmup=5000, checkpoint_every=1000),
-    # With the 16-item context, 0.236 s per step at batch 256 on one core (0.194 without):
-    # 4,500 steps ≈ 18 min, inside the 20-minute budget.
-    "cpu": TrainConfig(model=preset("cpu"), steps=4500),
+    "cpu": TrainConfig(model=preset("cpu"), steps=4500),  # fits the 20-minute CPU budget
     "tiny": TrainConfig(model=preset("tiny"), steps=20, batch=16, warmup=2,
                         checkpoint_every=10, log_every=5),
 }
@@ -137,47 +125,29 @@ def rows_from_block(target: torch.Tensor, rows: int, generator: torch.Generator)
                                                                            target.shape[2]))], 1)
 
 
-def dsm_loss(model: SetDenoiser, query: torch.Tensor, target: torch.Tensor,
+def dsm_loss(model: Denoiser, query: torch.Tensor, target: torch.Tensor,
              config: TrainConfig, generator: torch.Generator,
              context: torch.Tensor | None = None) -> torch.Tensor:
-    """EDM loss E_σ λ(σ)‖D(x + σn; σ, q) − x‖², λ = (σ² + σ_d²)/(σ·σ_d)².
+    """EDM loss E_σ λ(σ)‖D(x + σn; σ, q) − x‖², λ = (σ² + σ_d²)/(σ·σ_d)², for query (B, d),
+    target rows (B, L, d) and context (B, C, d) or None.
 
     ln σ ~ N(P_mean, P_std²); the query is replaced by the null condition with p = cond_drop.
-    With the context head it returns `context_loss` (cross-entropy) at those noise levels.
     """
     b = target.shape[0]
     sigma = torch.exp(config.p_mean + config.p_std * torch.randn(b, generator=generator))  # (B,)
     noisy = target + sigma[:, None, None] * torch.randn(target.shape, generator=generator)
     keep = (torch.rand(b, generator=generator) >= config.model.cond_drop).float()  # (B,)
-    if config.model.head == "context":
-        return context_loss(model, noisy, sigma, query, keep, context, target)
-    denoised = denoise(model, noisy, sigma, query, keep, context)  # (B, L, d)
+    denoised = model(noisy, sigma, query, keep, context)  # (B, L, d)
     sd = config.model.sigma_data
     weight = (sigma**2 + sd**2) / (sigma * sd) ** 2  # (B,)
     per_block = ((denoised - target) ** 2).mean(dim=(1, 2))  # (B,)
     return (weight * per_block).mean()  # = E‖F − F*‖², O(1) by construction
 
 
-def context_loss(model: SetDenoiser, noisy: torch.Tensor, sigma: torch.Tensor,
-                 query: torch.Tensor, keep: torch.Tensor, context: torch.Tensor,
-                 target: torch.Tensor) -> torch.Tensor:
-    """The context head's loss: cross-entropy of each target row's context item, over the
-    rows whose item is in the context (CDCD trains score interpolation this way)."""
-    similarity = target @ context.transpose(1, 2)  # (B, L, C)
-    best, label = similarity.max(dim=-1)  # (B, L) each
-    inside = best >= IN_CONTEXT  # (B, L)
-    if not inside.any():  # fail loudly: e.g. targets stored at lower precision than the catalog
-        raise ValueError("no target row of this batch is one of its context items "
-                         f"(cosine ≥ {IN_CONTEXT}); the context head cannot learn from it")
-    logits = context_logits(model, noisy, sigma, query, keep, context)  # (B, L, C)
-    # (N_in, C) logits and (N_in,) labels of the rows whose item is in the context
-    return nn.functional.cross_entropy(logits[inside], label[inside])
-
-
 @dataclass
 class TrainState:
-    model: SetDenoiser
-    ema: SetDenoiser
+    model: Denoiser
+    ema: Denoiser
     optimizer: torch.optim.Optimizer
     generator: torch.Generator
     step: int = 0
@@ -187,7 +157,7 @@ class TrainState:
 
 def new_state(config: TrainConfig) -> TrainState:
     torch.manual_seed(config.seed)
-    model = SetDenoiser(config.model)
+    model = Denoiser(config.model)
     ema = copy.deepcopy(model).requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.99),
                                   weight_decay=config.weight_decay)
@@ -212,7 +182,7 @@ def save_checkpoint(state: TrainState, config: TrainConfig, path: Path) -> None:
 def load_state(config: TrainConfig, path: Path) -> TrainState:
     """Resume from `path`; refuse a checkpoint written under another config."""
     payload = torch.load(path, map_location="cpu", weights_only=False)
-    if payload["config_hash"] != config_hash(config.to_dict()):
+    if stored_config_hash(payload["config"]) != config_hash(config.to_dict()):
         raise ValueError(f"{path} was trained with another config; pass --fresh to restart")
     state = new_state(config)
     state.model.load_state_dict(payload["model"])
@@ -223,10 +193,17 @@ def load_state(config: TrainConfig, path: Path) -> TrainState:
     return state
 
 
-def load_ema(path: Path) -> tuple[SetDenoiser, dict[str, Any]]:
+def stored_config_hash(stored: dict[str, Any]) -> str:
+    """The hash of a checkpoint's `config` as written today (without the removed options a
+    checkpoint of an earlier version still names)."""
+    model = DenoiserConfig.from_dict(stored["model"]).to_dict()
+    return config_hash({**stored, "model": model})
+
+
+def load_ema(path: Path) -> tuple[Denoiser, dict[str, Any]]:
     """The EMA weights of a checkpoint, in eval mode, and the checkpoint's metadata."""
     payload = torch.load(path, map_location="cpu", weights_only=False)
-    model = SetDenoiser(DenoiserConfig(**payload["config"]["model"]))
+    model = Denoiser(DenoiserConfig.from_dict(payload["config"]["model"]))
     model.load_state_dict(payload["ema"])
     meta = {key: payload[key] for key in ("config", "config_hash", "step", "wall_s",
                                           "git_commit")}
@@ -316,13 +293,11 @@ def train(data: BlockDataset, config: TrainConfig, run_dir: Path, fresh: bool = 
                "seed": config.seed, "git_commit": git_commit(),
                "ledger": ledger(state, config, data), "curve": state.curve}
     (run_dir / LOSS_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    label = "context cross-entropy" if config.model.head == "context" else "EDM-weighted DSM loss"
-    plot_curve(state.curve or [], run_dir / CURVE_FILE, label)
+    plot_curve(state.curve or [], run_dir / CURVE_FILE)
     return summary
 
 
-def plot_curve(curve: list[tuple[int, float]], path: Path,
-               label: str = "EDM-weighted DSM loss") -> None:
+def plot_curve(curve: list[tuple[int, float]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -333,7 +308,7 @@ def plot_curve(curve: list[tuple[int, float]], path: Path,
         steps, losses = zip(*curve, strict=True)
         ax.plot(steps, losses)
     ax.set_xlabel("step")
-    ax.set_ylabel(label)
+    ax.set_ylabel("EDM-weighted DSM loss")
     ax.set_yscale("log")
     ax.set_title("diffusion training loss")
     fig.tight_layout()
@@ -352,34 +327,41 @@ def prompt_context(dataset_dir: Path, n: int) -> None:
                           "context_source='prompt'")
 
 
-def cmd_train_diffusion(args: argparse.Namespace) -> None:
+def train_on_bundle(bundle_dir: Path, config: TrainConfig, dataset_dir: Path | None = None,
+                    run_dir: Path | None = None, fresh: bool = False) -> dict[str, Any]:
+    """Train (or resume) on the bundle's stage-2 dataset (default <bundle>/runs/synthesis) into
+    `run_dir` (default <bundle>/runs/diffusion), with the context the model attends to."""
     from service.bundle import load_bundle
     from training.synthesis import load_dataset
 
-    overrides = {name: getattr(args, name) for name in ("steps", "batch", "lr", "seed")
-                 if getattr(args, name) is not None}
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = train_preset(args.preset, **overrides)
-    model = {name: getattr(args, name, None) for name in ("head", "context_source")}
-    if any(model.values()):
-        config = replace(config, model=replace(config.model, **{k: v for k, v in model.items()
-                                                                if v is not None}))
-    dataset_dir = args.dataset or args.bundle / "runs" / "synthesis"
+    dataset_dir = dataset_dir or bundle_dir / "runs" / "synthesis"
     try:
         data = load_dataset(dataset_dir)
     except FileNotFoundError as exc:
         raise BundleError(f"no stage-2 dataset: {exc} (run `r4t synthesize` first)") from exc
     context, n = None, config.model.context
     if n:
-        bundle = load_bundle(args.bundle)
+        bundle = load_bundle(bundle_dir)
         prompt = None
         if config.model.context_source == "prompt":
             prompt_context(dataset_dir, n)
             prompt = PromptNeighbourhood(bundle.index, bundle.items.texts,
                                          bundle.items.embeddings, n)
         context = block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt)
+    run_dir = run_dir or bundle_dir / "runs" / RUN_NAME
+    return train(data, config, run_dir, fresh=fresh, context=context)
+
+
+def cmd_train_diffusion(args: argparse.Namespace) -> None:
+    from training.commands import given
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = train_preset(args.preset, **given(args, "steps", "batch", "lr", "seed"))
+    model = given(args, "context_source")
+    if model:
+        config = replace(config, model=replace(config.model, **model))
     run_dir = args.run_dir or args.bundle / "runs" / RUN_NAME
-    summary = train(data, config, run_dir, fresh=args.fresh, context=context)
+    summary = train_on_bundle(args.bundle, config, args.dataset, run_dir, fresh=args.fresh)
     print(json.dumps(summary["ledger"], indent=2))
     print(f"checkpoint, loss.json and loss_curve.png in {run_dir}")

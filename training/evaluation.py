@@ -162,3 +162,20 @@ def _fmt(value: float | None) -> str:
     if value is None:
         return "–"
     return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3f}"
+
+
+def gaps(bundle_dir: Path, split: str = "test") -> dict[str, Any]:
+    """Relative gaps from the harness's reports: train vs `split`, and teacher (folm) vs student."""
+    def metrics(method: str, on: str) -> dict[str, float] | None:
+        path = bundle_dir / REPORTS_DIR / f"{method}-{on}.json"
+        return json.loads(path.read_text())["metrics"] if path.is_file() else None
+
+    student, train, teacher = metrics("diffusion", split), metrics("diffusion", "train"), \
+        metrics("folm", split)
+    out: dict[str, Any] = {}
+    for name in ("coverage@10", "recall@5k", "groundedness", "vendi@10"):
+        if student and train and train.get(name):
+            out.setdefault("train_vs_" + split, {})[name] = 1 - student[name] / train[name]
+        if student and teacher and teacher.get(name):
+            out.setdefault("student_vs_teacher", {})[name] = 1 - student[name] / teacher[name]
+    return out

@@ -33,7 +33,7 @@ from service.fanout import ParsedFanout, PromptBuilder, item_names, parse_fanout
 from service.grounding import NameGrounding
 from service.reward import RewardTerms, RewardWeights, score_probes
 from service.trie import DECODINGS
-from training.commands import non_negative, positive, subcommand_group
+from training.commands import given, non_negative, positive, subcommand_group
 
 REWARD_MODES: dict[str, tuple[str, ...]] = {
     "ground": ("ground",),
@@ -315,8 +315,8 @@ def check_decoding(decoding: str, context: int) -> None:
 
 
 def resolve_config(preset: str, **overrides: Any) -> GrpoConfig:
-    base = GRPO_PRESETS[preset]
-    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    """The preset with the overrides that are set (not None)."""
+    return replace(GRPO_PRESETS[preset], **given(overrides))
 
 
 def cmd_train_folm(args: argparse.Namespace) -> None:
@@ -330,15 +330,13 @@ def cmd_train_folm(args: argparse.Namespace) -> None:
         return
     ablation = args.reward == "ablation"
     modes = list(REWARD_MODES) if ablation else [args.reward]
-    given = {"steps": args.steps, "lr": args.lr, "queries_per_step": args.queries_per_step,
-             "decoding": args.decoding}
+    flags = given(args, "steps", "lr", "queries_per_step", "decoding", "threads", "beta",
+                  "temperature")
     if ablation:  # the flags override ABLATION's settings, as they override the preset's
-        preset = ABLATION.get(args.preset, {})
-        given = {k: preset.get(k) if v is None else v for k, v in given.items()}
+        flags = {**ABLATION.get(args.preset, {}), **flags}
     finals = {}
     for mode in modes:
-        config = resolve_config(args.preset, reward=mode, threads=args.threads, beta=args.beta,
-                                temperature=args.temperature, **given)
+        config = resolve_config(args.preset, **flags, reward=mode)
         run_dir = args.bundle / "runs" / "ablation" / mode if ablation else None
         finals[mode] = train_grpo(args.bundle, config, init, run_dir)
     if ablation:

@@ -2,22 +2,24 @@
 
 A method maps query texts (and their embeddings) to k probe embeddings per query, k
 returned items per query and a candidate pool of 5,000 distinct items per query (a fan-out's
-probes share it, POOL_SIZE/k each on average; see `fanout_output`). Fan-out
-methods plug in with `fanout_output`; baselines here: `single`, `mmr`, `reward-greedy` and
-`prompt-names`.
+probes share it, POOL_SIZE/k each on average; see `fanout_output`). Served routes are scored
+through the service's own path objects (`path_method`): their items are the HTTP answer's.
+Baselines here: `single` (the served route), `mmr`, `reward-greedy` and `prompt-names`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from service.bundle import Bundle
+from service.encoder import Encoder
 from service.grounding import PromptNeighbourhood
 from service.index import search
-from service.resolution import distinct_nearest
+from service.paths import PathAnswer, PathQuery, SinglePath
+from service.resolution import resolve_items
 from service.reward import RewardWeights, vendi_score
 from training.metrics import POOL_PER_SLOT, POOL_SIZE
 
@@ -38,12 +40,48 @@ class MethodOutput:
 Method = Callable[[list[str], np.ndarray], MethodOutput]
 
 
-def single(bundle: Bundle, k: int = 10) -> Method:
-    """One dense query: top-k returned, top-5000 pooled; probes are the returned items."""
+ServedPath = Callable[[Sequence[PathQuery]], list[PathAnswer]]
+
+
+def answer_probes(answers: list[PathAnswer], queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per returned item, the probe that claimed it: (Q, k, d) probes and (Q, k) validity.
+
+    A slot the path filled from the query's dense neighbours (slot None), or any slot of a
+    malformed fan-out, has the query itself as its probe and is invalid (the reward scores 0).
+    """
+    k = max(len(a.selection.rows) for a in answers)
+    probes = np.repeat(queries[:, None, :], k, axis=1).astype(np.float32)  # (Q, k, d)
+    valid = np.zeros((len(answers), k), dtype=bool)
+    for i, answer in enumerate(answers):
+        for j, slot in enumerate(answer.selection.slots):
+            if slot is not None:
+                probes[i, j] = answer.probes[slot]
+                valid[i, j] = answer.well_formed
+    return probes, valid
+
+
+def path_method(bundle: Bundle, path: ServedPath, k: int) -> Method:
+    """A served route as an evaluation method: the path answers, the harness scores."""
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
+        answers = path([PathQuery(text, k) for text in texts])
+        items = np.array([a.selection.rows for a in answers], dtype=np.int64)  # (Q, k)
+        probes, valid = answer_probes(answers, queries)  # (Q, k, d), (Q, k)
+        out = fanout_output(bundle, probes, items)
+        out.valid = valid
+        return out
+
+    return run
+
+
+def single(bundle: Bundle, k: int = 10) -> Method:
+    """The served `single` route: its top-k returned, top-5000 pooled; probes are the items."""
+    path = SinglePath(bundle, Encoder(bundle.encoder_config))
+
+    def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
+        answers = path([PathQuery(text, k) for text in texts])
+        items = np.array([a.selection.rows for a in answers], dtype=np.int64)  # (Q, k)
         _, rows = search(bundle.index, queries, POOL_SIZE)  # (Q, 5000)
-        items = rows[:, :k]  # (Q, k)
         probes = bundle.items.embeddings[items]  # (Q, k, d)
         return MethodOutput(probes=probes, items=items, pools=[r[r >= 0] for r in rows])
 
@@ -98,7 +136,8 @@ def fanout_output(
     """
     q, k, d = probes.shape
     if items is None:
-        items, _ = distinct_nearest(bundle.index, probes)
+        selections, _ = resolve_items(bundle.index, list(probes), probes[:, 0], [k] * q)
+        items = np.array([s.rows for s in selections], dtype=np.int64)  # (Q, k)
     _, rows = search(bundle.index, probes.reshape(q * k, d), POOL_SIZE)  # (Q·k, 5000)
     rows = rows.reshape(q, k, rows.shape[1])  # (Q, k, 5000)
     pools, union = [], []

@@ -1,31 +1,45 @@
-"""Builds a bundle stage by stage, skipping every stage whose recorded config is current.
+"""Builds a bundle stage by stage, rebuilding only the stages that are not current.
 
-Stages so far: `catalog` (parse → embed → FAISS index) and `benchmark` (broad queries and
-their splits). Each stage writes into a staging folder inside the bundle and is committed
-by `service.bundle.commit_stage`, so a failed stage leaves the bundle as it was.
+Stages, in order (`service.bundle.STAGE_INPUTS` says which stages each one reads): `catalog`
+(parse → embed → FAISS index), `benchmark` (broad queries and their splits), stage 1
+`folm-warmstart` and `folm` (the fan-out LM's warm start and its GRPO policy, each exported to
+ONNX), stage 2 `synthesis` (the denoiser's training set: a run folder, no bundle files) and
+stage 3 `diffusion` (the denoiser, trained and exported with its sampler). A stage is current
+when its record's config hash is that of the config it would be built with now and every input
+is still the record it was built from (`service.bundle.stage_status`): a catalog change
+rebuilds everything downstream. Each stage commits through `service.bundle.stage`, so a failed
+stage leaves the bundle as it was; a stage's run folder (`runs/...`) is resumed only when it
+was started for the same config and inputs (its build-key.json), else emptied first.
+`build_bundle` prints its plan first and keeps `<bundle>/build.json` up to date.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
 
 from service.bundle import (
+    BUILD_STATUS,
     INDEX_FILE,
-    commit_stage,
     config_hash,
     new_manifest,
+    now_iso,
+    read_build_status,
     read_manifest,
     sha256_file,
-    stage_is_current,
+    stage,
+    stage_inputs,
+    stage_status,
+    write_json_atomic,
 )
 from service.encoder import Encoder, EncoderConfig
 from service.errors import BundleError
@@ -34,8 +48,19 @@ from service.items import ItemStore
 from training.benchmark import read_benchmark_file, split_queries, wordnet_queries, write_splits
 from training.catalog import WORDNET, Catalog, load_catalog
 
+if TYPE_CHECKING:  # stages 1-3 import torch: only when they are built
+    from training.diffusion_export import ExportConfig
+    from training.diffusion_training import TrainConfig
+    from training.grpo import GrpoConfig
+    from training.synthesis import SynthesisConfig
+    from training.warmstart import WarmStartConfig
+
 MODELS_DIR = Path("models")
 EMBED_CHUNK = 4096
+CATALOG_STAGES = ("catalog", "benchmark")
+PIPELINE = (*CATALOG_STAGES, "folm-warmstart", "folm", "synthesis", "diffusion")
+BUNDLE_PRESETS = ("cpu", "tiny")
+RUN_KEY = "build-key.json"  # in a stage's run folder: the config and inputs it was started for
 
 
 @dataclass(frozen=True)
@@ -52,6 +77,192 @@ class CatalogConfig:
 CATALOG_PRESETS: dict[str, CatalogConfig] = {"default": CatalogConfig()}
 
 
+@dataclass(frozen=True)
+class StageConfigs:
+    """What stages 1-3 are built with. `stage_configs("cpu")` is what `r4t train folm`,
+    `r4t export folm`, `r4t synthesize`, `r4t train diffusion --threads 1` and
+    `r4t export diffusion` build with their defaults."""
+
+    warmstart: WarmStartConfig
+    grpo: GrpoConfig
+    synthesis: SynthesisConfig
+    diffusion: TrainConfig
+    export: ExportConfig
+    threads: int = 1  # torch threads of the exports and the denoiser's training
+
+
+def stage_configs(preset: str = "cpu") -> StageConfigs:
+    """Every stage's preset `preset` (cpu: the default bundle; tiny: tests, seconds)."""
+    from training.diffusion_export import ExportConfig
+    from training.diffusion_training import train_preset
+    from training.grpo import GRPO_PRESETS
+    from training.synthesis import SYNTHESIS_PRESETS
+    from training.warmstart import WARMSTART_PRESETS
+
+    if preset not in BUNDLE_PRESETS:
+        raise ValueError(f"unknown bundle preset {preset!r}; available: {BUNDLE_PRESETS}")
+    return StageConfigs(warmstart=WARMSTART_PRESETS[preset], grpo=GRPO_PRESETS[preset],
+                        synthesis=SYNTHESIS_PRESETS[preset], diffusion=train_preset(preset),
+                        export=ExportConfig())
+
+
+def stage_keys(catalog: CatalogConfig, configs: StageConfigs | None = None) -> dict[str, dict]:
+    """{stage: the config its record's config_hash must be the hash of}, in build order;
+    the catalog stages alone without `configs`."""
+    keys: dict[str, dict] = {"catalog": _catalog_key(catalog), "benchmark": _benchmark_key(catalog)}
+    if configs is not None:
+        from training.diffusion_export import diffusion_stage_config
+        from training.policy_export import policy_stage_config
+        from training.synthesis import synthesis_stage_config
+
+        keys["folm-warmstart"] = policy_stage_config(asdict(configs.warmstart))
+        keys["folm"] = policy_stage_config(asdict(configs.grpo))
+        keys["synthesis"] = synthesis_stage_config(configs.synthesis)
+        keys["diffusion"] = diffusion_stage_config(configs.export,
+                                                   config_hash(configs.diffusion.to_dict()))
+    return keys
+
+
+def plan_stages(
+    manifest: dict[str, Any], keys: dict[str, dict], force: bool = False,
+    has_benchmark: bool = True,
+) -> list[dict[str, str]]:
+    """[{"stage", "action", "reason"}] in build order; action is current, build, rebuild or
+    skip (a JSONL catalog without a benchmark). A stage whose input is (re)built is rebuilt."""
+    plan: list[dict[str, str]] = []
+    changing: list[str] = []
+    for name in keys:
+        if name == "benchmark" and not has_benchmark:
+            action, reason = "skip", "no benchmark for this catalog"
+        elif force:
+            present = name in manifest.get("stages", {})
+            action, reason = ("rebuild" if present else "build"), "forced"
+        else:
+            action, reason = stage_status(manifest, name, keys[name], changing)
+        if action in ("build", "rebuild"):
+            changing.append(name)
+        plan.append({"stage": name, "action": action, "reason": reason})
+    return plan
+
+
+def format_step(step: dict[str, str]) -> str:
+    """`catalog: current`, `folm: rebuild (catalog changed)`, `diffusion: build (absent)`."""
+    reason = f" ({step['reason']})" if step["reason"] else ""
+    return f"{step['stage']}: {step['action']}{reason}"
+
+
+def build_catalog(bundle_dir: Path, config: CatalogConfig, force: bool = False) -> dict[str, Any]:
+    """Run the catalog and benchmark stages that are not current; return the manifest."""
+    manifest = _build(Path(bundle_dir), config, None, force)
+    stages = manifest.get("stages", {})
+    summary = {k: stages[k] for k in CATALOG_STAGES if k in stages}
+    print(json.dumps(summary, indent=2))
+    return manifest
+
+
+def build_bundle(
+    bundle_dir: Path, catalog_config: CatalogConfig, force: bool = False,
+    presets: str | StageConfigs = "cpu",
+) -> dict[str, Any]:
+    """Build every stage that is not current (all with `force`), in order, after printing
+    the plan; `<bundle>/build.json` follows the build. Returns the manifest."""
+    bundle_dir = Path(bundle_dir)
+    progress = BuildProgress(bundle_dir)
+    try:
+        if catalog_config.source != WORDNET and not catalog_config.benchmark:
+            raise BundleError("stages 1-3 train on the benchmark's train split: a JSONL "
+                              "catalog needs its --benchmark")
+        configs = presets if isinstance(presets, StageConfigs) else stage_configs(presets)
+        manifest = _build(bundle_dir, catalog_config, configs, force, progress)
+    except BaseException as exc:
+        progress.update(state="failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    progress.update(state="done", current=None)
+    return manifest
+
+
+class BuildProgress:
+    """`<bundle>/build.json`, rewritten atomically at every step of a build (see
+    `service.bundle.read_build_status`). Refuses a second live build of one bundle."""
+
+    def __init__(self, bundle_dir: Path) -> None:
+        running = read_build_status(bundle_dir)
+        if running and running.get("state") == "running" and running.get("pid") != os.getpid():
+            raise BundleError(f"{bundle_dir} is being built by process {running['pid']} "
+                              f"({BUILD_STATUS})")
+        self.path = bundle_dir / BUILD_STATUS
+        self.status: dict[str, Any] = {
+            "state": "running", "pid": os.getpid(), "started": now_iso(), "plan": [],
+            "current": None, "finished": [], "error": None,
+        }
+        self.update()
+
+    def update(self, **changes: Any) -> None:
+        self.status.update(changes, updated=now_iso())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path, self.status)
+
+
+@dataclass
+class _Build:
+    bundle_dir: Path
+    catalog_config: CatalogConfig
+    configs: StageConfigs | None
+    keys: dict[str, dict]
+    force: bool
+    _catalog: Catalog | None = field(default=None, repr=False)
+
+    @property
+    def catalog(self) -> Catalog:
+        if self._catalog is None:
+            self._catalog = load_catalog(self.catalog_config.source,
+                                         self.catalog_config.index_factory)
+        return self._catalog
+
+
+def _build(
+    bundle_dir: Path, config: CatalogConfig, configs: StageConfigs | None, force: bool,
+    progress: BuildProgress | None = None,
+) -> dict[str, Any]:
+    manifest = _existing(bundle_dir)
+    if manifest and manifest["encoder"]["dim"] != config.dim:
+        raise BundleError(
+            f"{bundle_dir} was built with dim {manifest['encoder']['dim']}, not {config.dim}; "
+            "use another bundle name"
+        )
+    keys = stage_keys(config, configs)
+    plan = plan_stages(manifest, keys, force, config.source == WORDNET or bool(config.benchmark))
+    print(f"{bundle_dir}:" + "".join(f"\n  {format_step(step)}" for step in plan), flush=True)
+    if progress:
+        progress.update(plan=plan)
+    todo = [step for step in plan if step["action"] in ("build", "rebuild")]
+    if not todo:
+        print(f"{bundle_dir}: every stage is up to date")
+        return manifest
+    build = _Build(bundle_dir, config, configs, keys, force)
+    if any(step["stage"] in CATALOG_STAGES for step in todo):
+        build.catalog  # noqa: B018 - validate the catalog before any write
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    manifest = manifest or new_manifest(bundle_dir.name, EncoderConfig(dim=config.dim),
+                                        config.seed)
+    for step in todo:
+        name = step["stage"]
+        if not force and step["action"] == "rebuild" and \
+                stage_status(manifest, name, keys[name])[0] == "current":
+            step.update(action="current", reason="its inputs were rebuilt unchanged")
+            print(f"== {format_step(step)}", flush=True)
+            if progress:
+                progress.update(plan=plan)
+            continue
+        print(f"== {format_step(step)}", flush=True)
+        if progress:
+            progress.update(current=name)
+        manifest = BUILDERS[name](build, manifest)
+        if progress:
+            progress.update(current=None, finished=[*progress.status["finished"], name])
+    return manifest
+
+
 def embed_texts(encoder: Encoder, texts: list[str], desc: str = "embed") -> np.ndarray:
     """Encode in chunks with a progress bar: (N, dim) float32 unit rows."""
     out = np.empty((len(texts), encoder.dim), dtype=np.float32)
@@ -63,28 +274,13 @@ def embed_texts(encoder: Encoder, texts: list[str], desc: str = "embed") -> np.n
     return out
 
 
-def open_bundle(bundle_dir: Path, config: CatalogConfig) -> dict[str, Any]:
-    """The bundle's manifest, or a fresh one; refuse to mix encoders in one bundle."""
-    bundle_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        manifest = read_manifest(bundle_dir)
-    except BundleError:
-        return new_manifest(bundle_dir.name, EncoderConfig(dim=config.dim), config.seed)
-    if manifest["encoder"]["dim"] != config.dim:
-        raise BundleError(
-            f"{bundle_dir} was built with dim {manifest['encoder']['dim']}, not {config.dim}; "
-            "use another bundle name"
-        )
-    return manifest
-
-
 def catalog_stage(
     bundle_dir: Path, manifest: dict, config: CatalogConfig, catalog: Catalog
 ) -> None:
     """Embed the catalog, build the index, commit items + embeddings + index."""
     started = time.perf_counter()
-    staged = Path(tempfile.mkdtemp(prefix=".staging-catalog-", dir=bundle_dir))
-    try:
+    record: dict[str, Any] = {}
+    with stage(bundle_dir, manifest, "catalog", record) as staged:
         embeddings = embed_texts(Encoder(EncoderConfig(dim=config.dim)), catalog.texts)
         with tqdm(total=1, desc=f"index ({config.index_factory or 'Flat'})") as bar:
             index = build_index(embeddings, config.index_factory)
@@ -92,12 +288,10 @@ def catalog_stage(
             bar.update(1)
         store = ItemStore(catalog.ids, catalog.texts, embeddings, catalog.metadata)
         files = [*store.save(staged), INDEX_FILE]
+        record.update(_stage_record(_catalog_key(config), started, n_items=len(catalog)),
+                      files=files)
         manifest["n_items"] = len(catalog)
         manifest["config"] = asdict(config)
-        record = _stage_record(_catalog_key(config), started, n_items=len(catalog))
-        commit_stage(bundle_dir, manifest, "catalog", staged, files, record)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
 
 
 def benchmark_stage(
@@ -111,34 +305,129 @@ def benchmark_stage(
         queries = read_benchmark_file(Path(config.benchmark), set(catalog.ids))
     else:
         return
-    staged = Path(tempfile.mkdtemp(prefix=".staging-benchmark-", dir=bundle_dir))
-    try:
+    record: dict[str, Any] = {}
+    with stage(bundle_dir, manifest, "benchmark", record) as staged:
         splits = split_queries(queries, config.seed)
         files = write_splits(splits, staged)
         counts = {name: len(qs) for name, qs in splits.items()}
-        record = _stage_record(_benchmark_key(config), started, n_queries=counts)
-        commit_stage(bundle_dir, manifest, "benchmark", staged, files, record)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        record.update(_stage_record(_benchmark_key(config), started, n_queries=counts),
+                      files=files)
 
 
-def build_catalog(bundle_dir: Path, config: CatalogConfig, force: bool = False) -> dict[str, Any]:
-    """Run the catalog and benchmark stages that are not current; return the manifest."""
-    catalog_current = stage_is_current(_existing(bundle_dir), "catalog", _catalog_key(config))
-    bench_current = stage_is_current(_existing(bundle_dir), "benchmark", _benchmark_key(config))
-    if catalog_current and bench_current and not force:
-        print(f"{bundle_dir}: catalog and benchmark are up to date")
-        return read_manifest(bundle_dir)
-    catalog = load_catalog(config.source, config.index_factory)  # validates before any write
-    manifest = open_bundle(bundle_dir, config)
-    if force or not catalog_current:
-        catalog_stage(bundle_dir, manifest, config, catalog)
-    if force or not bench_current:
-        benchmark_stage(bundle_dir, manifest, config, catalog)
-    stages = manifest["stages"]
-    summary = {k: stages[k] for k in ("catalog", "benchmark") if k in stages}
-    print(json.dumps(summary, indent=2))
+def _build_catalog(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
+    catalog_stage(build.bundle_dir, manifest, build.catalog_config, build.catalog)
     return manifest
+
+
+def _build_benchmark(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
+    benchmark_stage(build.bundle_dir, manifest, build.catalog_config, build.catalog)
+    return manifest
+
+
+def _build_warmstart(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Stage 1a: the warm start (`r4t train folm --warmstart-only`), exported to ONNX."""
+    from training.warmstart import WARMSTART_RUN, warm_start
+
+    configs = _configs(build)
+    run_dir = _run_dir(build, manifest, "folm-warmstart", build.bundle_dir / "runs" / WARMSTART_RUN)
+    final = warm_start(build.bundle_dir, configs.warmstart, run_dir)
+    return _export_policy(build, final, "folm-warmstart")
+
+
+def _build_folm(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Stage 1b: GRPO from the warm start (`r4t train folm`), exported to ONNX."""
+    from training.grpo import run_dir_for, train_grpo
+    from training.warmstart import FINAL, WARMSTART_RUN
+
+    configs = _configs(build)
+    init = _checkpoint(build.bundle_dir / "runs" / WARMSTART_RUN / FINAL, "folm-warmstart")
+    run_dir = _run_dir(build, manifest, "folm", run_dir_for(build.bundle_dir, configs.grpo.reward))
+    final = train_grpo(build.bundle_dir, configs.grpo, init, run_dir)
+    return _export_policy(build, final, "folm")
+
+
+def _build_synthesis(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Stage 2 (`r4t synthesize`): sample the GRPO policy into runs/synthesis."""
+    from training.grpo import run_dir_for
+    from training.policy_export import FOLDERS
+    from training.synthesis import POLICY_ONNX, SYNTHESIS_RUN, commit_synthesis, synthesize
+    from training.warmstart import FINAL
+
+    configs = _configs(build)
+    policy = _checkpoint(run_dir_for(build.bundle_dir, configs.grpo.reward) / FINAL, "folm")
+    run_dir = _run_dir(build, manifest, "synthesis", build.bundle_dir / "runs" / SYNTHESIS_RUN)
+    if not (run_dir / POLICY_ONNX).exists():  # the local backend samples the bundle's export
+        shutil.copytree(build.bundle_dir / FOLDERS["folm"], run_dir / POLICY_ONNX)
+    synthesize(build.bundle_dir, configs.synthesis, policy, run_dir)
+    return commit_synthesis(build.bundle_dir, configs.synthesis, run_dir)
+
+
+def _build_diffusion(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Stage 3 (`r4t train diffusion --threads 1`, `r4t export diffusion`). An export-only
+    change resumes the finished training run: only the export is redone."""
+    import torch
+
+    from training.diffusion_export import export_diffusion
+    from training.diffusion_training import CHECKPOINT, RUN_NAME, train_on_bundle
+
+    configs = _configs(build)
+    torch.set_num_threads(configs.threads)
+    run_dir = _run_dir(build, manifest, "diffusion", build.bundle_dir / "runs" / RUN_NAME,
+                       configs.diffusion.to_dict())
+    train_on_bundle(build.bundle_dir, configs.diffusion, run_dir=run_dir)
+    export_diffusion(build.bundle_dir, run_dir / CHECKPOINT, configs.export)
+    return read_manifest(build.bundle_dir)
+
+
+BUILDERS: dict[str, Callable[[_Build, dict[str, Any]], dict[str, Any]]] = {
+    "catalog": _build_catalog, "benchmark": _build_benchmark,
+    "folm-warmstart": _build_warmstart, "folm": _build_folm,
+    "synthesis": _build_synthesis, "diffusion": _build_diffusion,
+}
+
+
+def _configs(build: _Build) -> StageConfigs:
+    if build.configs is None:
+        raise BundleError("stages 1-3 need their configs: use build_bundle")
+    return build.configs
+
+
+def _export_policy(build: _Build, checkpoint: Path, name: str) -> dict[str, Any]:
+    import torch
+
+    from training.policy_export import commit_policy
+
+    torch.set_num_threads(_configs(build).threads)
+    commit_policy(build.bundle_dir, checkpoint, name)
+    return read_manifest(build.bundle_dir)
+
+
+def _checkpoint(path: Path, stage_name: str) -> Path:
+    if not (path / "policy.json").is_file():
+        raise BundleError(f"no checkpoint at {path}, which the `{stage_name}` stage trained: "
+                          "rebuild with --force")
+    return path
+
+
+def _run_dir(build: _Build, manifest: dict[str, Any], name: str, run_dir: Path,
+             config: dict[str, Any] | None = None) -> Path:
+    """A stage's run folder, resumed when it was started for this config (default: the
+    stage's key) and these inputs, else (and always with --force) emptied first."""
+    key = {"stage": name, "config_hash": config_hash(build.keys[name] if config is None
+                                                     else config),
+           "inputs": stage_inputs(manifest, name)}
+    if run_dir.exists() and (build.force or _read_json(run_dir / RUN_KEY) != key):
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / RUN_KEY, key)
+    return run_dir
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def _existing(bundle_dir: Path) -> dict[str, Any]:

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from service.bundle import commit_stage, config_hash, git_commit, read_manifest
+from service.bundle import config_hash, git_commit, read_manifest, stage
 from service.decoding import FOLM_CONFIG, MODEL_FILE, TOKENIZER_FILE
 from training.commands import subcommand_group
 
@@ -157,6 +155,12 @@ def export_folder(checkpoint: Path, out_dir: Path) -> dict[str, Any]:
     return config
 
 
+def policy_stage_config(training: dict[str, Any]) -> dict[str, Any]:
+    """The config a FOLM stage is current by: its checkpoint's training config (`folm-warmstart`:
+    the WarmStartConfig, `folm`: the GrpoConfig), as `training.pipeline` compares it."""
+    return {"training": training}
+
+
 def commit_policy(bundle_dir: Path, checkpoint: Path, name: str) -> dict[str, Any]:
     """Export `checkpoint` and commit it as the bundle stage/folder `name`."""
     from training.policy import policy_meta
@@ -164,21 +168,17 @@ def commit_policy(bundle_dir: Path, checkpoint: Path, name: str) -> dict[str, An
     started = time.perf_counter()
     folder = FOLDERS[name]
     manifest = read_manifest(bundle_dir)
-    staged = Path(tempfile.mkdtemp(prefix=f".staging-{folder}-", dir=bundle_dir))
-    try:
+    meta = policy_meta(checkpoint)
+    key = policy_stage_config(meta.get("config", {}))
+    record = {
+        "config": key, "config_hash": config_hash(key), "checkpoint": str(checkpoint),
+        "training_wall_s": meta.get("wall_s"), "training_ledger": meta.get("ledger"),
+        "seed": meta.get("seed"), "source_git_commit": meta.get("git_commit", git_commit()),
+    }
+    with stage(bundle_dir, manifest, folder, record) as staged:
         config = export_folder(checkpoint, staged / folder)
-        meta = policy_meta(checkpoint)
-        files = [f"{folder}/{f}" for f in (MODEL_FILE, TOKENIZER_FILE, FOLM_CONFIG)]
-        key = {"checkpoint": str(checkpoint), "training": meta.get("config", {}), **config}
-        record = {
-            "config": key, "config_hash": config_hash(key),
-            "wall_s": round(time.perf_counter() - started, 2),
-            "training_wall_s": meta.get("wall_s"), "training_ledger": meta.get("ledger"),
-            "seed": meta.get("seed"), "source_git_commit": meta.get("git_commit", git_commit()),
-        }
-        commit_stage(bundle_dir, manifest, folder, staged, files, record)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        record.update(exported=config, wall_s=round(time.perf_counter() - started, 2),
+                      files=[f"{folder}/{f}" for f in (MODEL_FILE, TOKENIZER_FILE, FOLM_CONFIG)])
     print(f"exported {checkpoint} -> {bundle_dir / folder} ({config['params']:,} params)")
     return config
 
@@ -192,7 +192,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    for name in args.which.split(","):
+    # the warm start first: the policy's record keeps the hash of the warm start it read
+    for name in sorted(args.which.split(","), key=lambda n: n != "folm-warmstart"):
         checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint(
             args.bundle, name)
         commit_policy(args.bundle, checkpoint, name)

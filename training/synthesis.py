@@ -36,9 +36,9 @@ from typing import Any, Protocol
 import numpy as np
 from tqdm import tqdm
 
-from service.bundle import git_commit, load_bundle
+from service.bundle import config_hash, git_commit, load_bundle, read_manifest, stage
 from service.encoder import Encoder
-from service.errors import InputError
+from service.errors import BundleError, InputError
 from service.fanout import PromptBuilder, item_names, parse_fanout
 from service.grounding import NameGrounding
 from service.index import search
@@ -47,6 +47,7 @@ from service.trie import DECODINGS, NAME_SCOPES, NameConstraint
 
 SYNTHESIS_RUN = "synthesis"
 SHARDS = "shards"
+POLICY_ONNX = "policy-onnx"  # the policy exported for the local backend, in the run folder
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,14 @@ class SynthesisConfig:
             bad.append(f"temperature must be ≥ 0 (got {self.temperature})")
         if bad:
             raise InputError("synthesis: " + "; ".join(bad))
+
+
+SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
+    "cpu": SynthesisConfig(),
+    # 48 tokens: the tiny policy's own 32 seldom hold k lines
+    "tiny": SynthesisConfig(samples_per_query=6, extra_queries=0, max_new_tokens=48,
+                            shard_queries=3),
+}
 
 
 @dataclass
@@ -293,7 +302,7 @@ def make_sampler(
 ) -> Sampler:
     """The sampling backend; `names` (every catalog name) serve the "catalog" decoding."""
     if config.backend == "local":
-        folder = run_dir / "policy-onnx"
+        folder = run_dir / POLICY_ONNX
         if not (folder / "folm.json").is_file():
             from training.policy_export import export_folder
 
@@ -374,6 +383,26 @@ def synthesize(
     return run_dir
 
 
+def synthesis_stage_config(config: SynthesisConfig) -> dict[str, Any]:
+    """The config the `synthesis` stage is current by."""
+    return {"synthesis": asdict(config)}
+
+
+def commit_synthesis(bundle_dir: Path, config: SynthesisConfig, run_dir: Path) -> dict[str, Any]:
+    """Record stage 2 in the manifest (its dataset stays in `run_dir`: no bundle files), so
+    the stages that read it can tell when it changed; returns the manifest."""
+    key = synthesis_stage_config(config)
+    ledger = _load_ledger(run_dir)
+    if not ledger.get("kept"):
+        raise BundleError(f"{run_dir}: stage 2 kept no sample ({ledger}); nothing to train on")
+    record = {"config": key, "config_hash": config_hash(key), "ledger": ledger,
+              "run_dir": str(run_dir), "files": []}
+    manifest = read_manifest(bundle_dir)
+    with stage(bundle_dir, manifest, "synthesis", record):
+        pass
+    return manifest
+
+
 def _check_resume(run_dir: Path, record: dict[str, Any]) -> None:
     """A run directory only resumes the same config; otherwise refuse rather than mix."""
     path = run_dir / "config.json"
@@ -438,7 +467,9 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         from training.benchmark import query_texts
 
         queries = query_texts(args.bundle, "train")[: args.limit]
-    synthesize(args.bundle, config, checkpoint, run_dir, queries)
+    run_dir = synthesize(args.bundle, config, checkpoint, run_dir, queries)
+    if not (args.checkpoint or args.run_dir or args.limit):  # the bundle's own stage 2
+        commit_synthesis(args.bundle, config, run_dir)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -31,6 +31,7 @@ from service.encoder import Encoder
 from service.fanout import build_prompt, context_names, format_fanout, item_names
 from service.index import search
 from training.benchmark import query_texts, training_queries
+from training.commands import given
 from training.policy import (
     EOS,
     POLICY_PRESETS,
@@ -252,5 +253,5 @@ def warm_start(
 
 
 def resolve_config(preset: str, **overrides: Any) -> WarmStartConfig:
-    base = WARMSTART_PRESETS[preset]
-    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    """The preset with the overrides that are set (not None)."""
+    return replace(WARMSTART_PRESETS[preset], **given(overrides))

@@ -1,9 +1,12 @@
 """Service test fixtures: a small real serving bundle, a stand-in completion server, and live
 uvicorn servers on 127.0.0.1.
 
-The serving bundle is the session's small WordNet bundle (tests/conftest.py) plus a
-`diffusion/` stage holding a small hand-built but real ONNX sampler that follows contract 4:
-rows = normalize(noise · NOISE_SCALE + query), a stand-in for a trained solver loop.
+The serving bundle is the session's small WordNet bundle (tests/conftest.py) plus a real
+`diffusion/` stage exported by `r4t export diffusion`'s code from a tiny denoiser trained for
+a few steps: shaped as the default bundle's (rows = k = 10, a context of the items the fan-out
+prompt names, 2 draws, Euler), smaller (4 context items, the `tiny` width). Only the bundles
+whose sampler misbehaves on purpose (`broken_bundle`, `fragile_bundle`) carry a hand-built toy
+graph instead (`sampler_graph`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,19 +30,27 @@ import uvicorn
 from onnx import TensorProto, helper
 
 from service.app import create_app
-from service.bundle import commit_stage, config_hash, read_manifest
+from service.bundle import config_hash, read_manifest, stage, write_manifest
 from service.settings import Settings
 from training.benchmark import BenchmarkQuery
 
-ROWS = 10
+ROWS = 10  # rows = k, as the default bundle's sampler
 DIM = 128
-NOISE_SCALE = 0.05
+CONTEXT = 4  # the served sampler attends to the 4 items its query's fan-out prompt names
+DRAWS = 2
+SOLVER, STEPS = "euler", 4
+TRAIN_STEPS = 4
+NOISE_SCALE = 0.05  # the toy graph's
 ADMIN_TOKEN = "test-admin-token"
+WAIT_S = 60.0  # bound on a test's wait for a condition; reached only when something is broken
+HOLD_LIMIT_S = 60.0  # the stand-in completion server answers 503 after holding this long
 MALFORMED_MARK = "malformed"
 
 
 def sampler_graph(broken: bool = False, fail_above: int | None = None) -> onnx.ModelProto:
-    """query (B, d), noise (B, L, d) → rows (B, L, d) = normalize(noise·s + query).
+    """query (B, d), noise (B, L, d) → rows (B, L, d) = normalize(noise·s + query): a toy that
+    follows contract 4, kept only to build samplers that fail on purpose, which a real export
+    cannot be made to do.
 
     broken=True reshapes the noise to an impossible shape: loads fine, fails on every run.
     fail_above=n reads entry B-1 of a length-n vector: fails only on batches larger than n.
@@ -92,34 +102,59 @@ def sampler_graph(broken: bool = False, fail_above: int | None = None) -> onnx.M
 def add_diffusion_stage(
     bundle_dir: Path, broken: bool = False, fail_above: int | None = None
 ) -> None:
-    """Commit diffusion/sampler.onnx + diffusion/diffusion.json into the bundle."""
+    """Commit a toy diffusion/sampler.onnx + diffusion/diffusion.json into the bundle."""
     manifest = read_manifest(bundle_dir)
     manifest["name"] = bundle_dir.name
-    staged = Path(tempfile.mkdtemp(prefix=".staging-diffusion-", dir=bundle_dir))
-    (staged / "diffusion").mkdir()
-    onnx.save(sampler_graph(broken, fail_above), staged / "diffusion" / "sampler.onnx")
     config = {
         "rows": ROWS, "k": ROWS, "dim": DIM, "solver": "none (test stand-in)", "steps": 0,
         "cfg_weight": 0.0, "cfg_formula": "none", "sigma_min": 0.0, "sigma_max": NOISE_SCALE,
         "params": 0, "flops_per_query": 4 * ROWS * DIM, "preset": "test-broken" if broken
         else "test",
     }
-    (staged / "diffusion" / "diffusion.json").write_text(json.dumps(config))
     record = {"config": config, "config_hash": config_hash(config), "wall_s": 0.0}
-    files = ["diffusion/sampler.onnx", "diffusion/diffusion.json"]
-    commit_stage(bundle_dir, manifest, "diffusion", staged, files, record)
+    with stage(bundle_dir, manifest, "diffusion", record) as staged:
+        (staged / "diffusion").mkdir()
+        onnx.save(sampler_graph(broken, fail_above), staged / "diffusion" / "sampler.onnx")
+        (staged / "diffusion" / "diffusion.json").write_text(json.dumps(config))
+
+
+def export_tiny_diffusion(bundle_dir: Path, run_dir: Path) -> dict[str, Any]:
+    """Train the tiny denoiser a few steps with the default bundle's context, export its
+    sampler as the default bundle's is, and commit it into the bundle; its diffusion.json."""
+    import torch
+
+    from tests.training.proxy_dataset import tiny_checkpoint
+    from training.diffusion_export import ExportConfig, export_diffusion
+
+    torch.set_num_threads(1)
+    # one block and a few training steps keep the session's setup short (the dynamo export
+    # of one step graph dominates it); ordered rows and a prompt context as the `cpu` preset
+    checkpoint = tiny_checkpoint(run_dir, rows=ROWS, steps=TRAIN_STEPS, context=CONTEXT,
+                                 context_source="prompt", ordered=True, layers=1)
+    return export_diffusion(bundle_dir, checkpoint,
+                            ExportConfig(solver=SOLVER, steps=STEPS, draws=DRAWS))
 
 
 @pytest.fixture(scope="session")
 def serving_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    target = tmp_path_factory.mktemp("serving") / "svc"
+    """The small real catalog plus a real tiny diffusion export (see the module docstring);
+    named "svc". The training run lives outside the bundle, so copies of it stay small."""
+    root = tmp_path_factory.mktemp("serving")
+    target = root / "svc"
     shutil.copytree(small_bundle_dir, target)
-    add_diffusion_stage(target)
+    manifest = read_manifest(target)
+    manifest["name"] = target.name
+    write_manifest(target, manifest)
+    config = export_tiny_diffusion(target, root / "run")
+    assert (config["rows"], config["context"], config["context_source"], config["draws"]) == (
+        ROWS, CONTEXT, "prompt", DRAWS)
     return target
 
 
 @pytest.fixture(scope="session")
 def broken_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy sampler graph, built to load and then fail on every run (warm-up drops it): a
+    real export cannot be made to misbehave this way."""
     target = tmp_path_factory.mktemp("serving") / "broken"
     shutil.copytree(small_bundle_dir, target)
     add_diffusion_stage(target, broken=True)
@@ -128,7 +163,8 @@ def broken_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 @pytest.fixture(scope="session")
 def fragile_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A sampler that works on batches of up to 2 queries and fails on larger ones."""
+    """The toy sampler graph, built to work on batches of up to 2 queries and fail on larger
+    ones: a run-time failure a real export cannot be made to have."""
     target = tmp_path_factory.mktemp("serving") / "fragile"
     shutil.copytree(small_bundle_dir, target)
     add_diffusion_stage(target, fail_above=2)
@@ -145,16 +181,34 @@ def benchmark_queries(small_sources: tuple[Path, Path]) -> list[BenchmarkQuery]:
     return queries
 
 
+def _opened() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @dataclass
 class CompletionServerState:
-    """What the stand-in endpoint answers, and how it misbehaves on request."""
+    """What the stand-in endpoint answers, and how it misbehaves on request.
+
+    Between `hold()` and `release()` (`holding_completions`), every completion request waits,
+    counted in `held`: a test keeps the AR path busy for exactly as long as it needs, however
+    fast the machine is.
+    """
 
     fanouts: dict[str, list[str]]
-    delay_s: float = 0.0
     fail_next: int = 0  # answer this many requests with 503 first
     requests: int = 0
+    held: int = 0  # requests waiting on `open` now
     prompts: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    open: threading.Event = field(default_factory=_opened)
+
+    def hold(self) -> None:
+        self.open.clear()
+
+    def release(self) -> None:
+        self.open.set()
 
     def completion(self, prompt: str) -> str:
         query = prompt.removeprefix("query: ").split("\n", 1)[0]
@@ -177,7 +231,16 @@ class _CompletionHandler(BaseHTTPRequestHandler):
         if failing:
             self._send(503, {"error": "warming up"})
             return
-        time.sleep(self.state.delay_s)
+        with self.state.lock:
+            self.state.held += 1
+        try:
+            released = self.state.open.wait(HOLD_LIMIT_S)
+        finally:
+            with self.state.lock:
+                self.state.held -= 1
+        if not released:
+            self._send(503, {"error": f"held for over {HOLD_LIMIT_S} s: a test never released it"})
+            return
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
         self.state.prompts.extend(prompts)
         choices = [{"index": i, "text": self.state.completion(p), "finish_reason": "stop"}
@@ -201,6 +264,27 @@ class _CompletionHandler(BaseHTTPRequestHandler):
 class CompletionServer:
     url: str
     state: CompletionServerState
+
+
+@contextmanager
+def holding_completions(server: CompletionServer) -> Iterator[CompletionServerState]:
+    """Completion requests wait until the block ends or `state.release()` is called (or
+    HOLD_LIMIT_S passed). Release before a live server in the block shuts down, or its
+    shutdown waits on the held batch."""
+    server.state.hold()
+    try:
+        yield server.state
+    finally:
+        server.state.release()
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    """Poll a condition that has no event to wait on, with a bounded deadline."""
+    stop = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > stop:
+            raise AssertionError(f"{what}: not so after {timeout_s} s")
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="session")

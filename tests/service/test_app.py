@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service.conftest import MALFORMED_MARK, live_server, wait_ready
+from tests.service.conftest import (
+    MALFORMED_MARK,
+    holding_completions,
+    live_server,
+    wait_ready,
+    wait_until,
+)
 
 
 def metric_samples(text: str, name: str) -> list:
@@ -20,26 +26,26 @@ def assert_k_unique(body: dict, k: int) -> None:
 
 
 def test_readyz_is_503_until_warm_then_200(settings_for, completion_server):
-    completion_server.state.delay_s = 0.3  # AR warm-up takes >= 0.6 s
-    try:
-        with live_server(settings_for(), ready=False) as live, live.client() as client:
-            assert client.get("/healthz").status_code == 200
-            early = client.get("/readyz")
-            assert early.status_code == 503
-            assert early.json()["status"] == "loading"
-            refused = client.post("/v1/retrieve", json={"query": "tree"})
-            assert refused.status_code == 503
-            assert refused.json()["error"]["type"] == "UnavailableError"
-            wait_ready(live.url)
-            ready = client.get("/readyz")
-            assert ready.status_code == 200
-            assert ready.json()["paths"] == ["ar", "diffusion"]
-    finally:
-        completion_server.state.delay_s = 0.0
+    with holding_completions(completion_server) as held, \
+            live_server(settings_for(), ready=False) as live, live.client() as client:
+        assert client.get("/healthz").status_code == 200
+        wait_until(lambda: held.held > 0, "the AR warm-up reached the completion server")
+        early = client.get("/readyz")  # the warm-up is held: not ready, whatever the speed
+        assert early.status_code == 503
+        assert early.json()["status"] == "loading"
+        refused = client.post("/v1/retrieve", json={"query": "tree"})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["type"] == "UnavailableError"
+        held.release()
+        wait_ready(live.url)
+        ready = client.get("/readyz")
+        assert ready.status_code == 200
+        assert ready.json() == {"status": "ready", "bundle": "svc",
+                                "routes": ["diffusion", "ar", "single"], "building": False}
 
 
-@pytest.mark.parametrize("route", ["diffusion", "ar"])
-def test_retrieve_returns_k_unique_items_on_both_routes(server, benchmark_queries, route):
+@pytest.mark.parametrize("route", ["diffusion", "ar", "single"])
+def test_retrieve_returns_k_unique_items_on_every_route(server, benchmark_queries, route):
     with server.client() as client:
         query = benchmark_queries[0].query
         response = client.post("/v1/retrieve", json={"query": query, "route": route})
@@ -50,7 +56,8 @@ def test_retrieve_returns_k_unique_items_on_both_routes(server, benchmark_querie
     assert body["fallback"] == {"used": False, "reason": None}
     assert body["bundle"] == "svc"
     assert {"queue", "encode", "search", "total"} <= set(body["timings_ms"])
-    assert ("solver" if route == "diffusion" else "decode") in body["timings_ms"]
+    stage = {"diffusion": "solver", "ar": "decode", "single": "search"}[route]
+    assert stage in body["timings_ms"]
     assert 0.0 < body["groundedness"] <= 1.0
     scores = [item["score"] for item in body["items"]]
     assert all(-1.0 <= s <= 1.0 + 1e-5 for s in scores)
@@ -59,10 +66,42 @@ def test_retrieve_returns_k_unique_items_on_both_routes(server, benchmark_querie
 @pytest.mark.parametrize("k", [1, 3, 25])
 def test_any_k_gives_k_distinct_items(server, k):
     with server.client() as client:
-        for route in ("diffusion", "ar"):
+        for route in ("diffusion", "ar", "single"):
             response = client.post("/v1/retrieve", json={"query": "dog", "k": k, "route": route})
             assert response.status_code == 200, response.text
             assert_k_unique(response.json(), k)
+
+
+@pytest.mark.parametrize("k", [10, 25])
+def test_diffusion_items_come_from_the_generated_rows(server, k):
+    """The served export generates rows = 10 probes per query (2 draws merged): each claims
+    one item a round, so k = 10 gives one item per row and k = 25 two or three per row,
+    none filled from the query's dense neighbours."""
+    with server.client() as client:
+        body = client.post("/v1/retrieve",
+                           json={"query": "musical instrument", "k": k, "route": "diffusion"}
+                           ).json()
+    assert_k_unique(body, k)
+    slots = [item["slot"] for item in body["items"]]
+    assert None not in slots and body["notes"] == []
+    claims = [slots.count(row) for row in range(10)]  # items per generated row
+    assert sum(claims) == k and min(claims) == k // 10 and max(claims) == -(-k // 10)
+    assert 0.0 <= body["groundedness"] <= 1.0
+
+
+def test_single_route_is_the_querys_own_nearest_items(server, serving_bundle):
+    from service.bundle import load_bundle
+    from service.encoder import Encoder
+    from service.index import search
+
+    bundle = load_bundle(serving_bundle)
+    scores, rows = search(bundle.index, Encoder(bundle.encoder_config).encode(["tree"]), 5)
+    with server.client() as client:
+        body = client.post("/v1/retrieve", json={"query": "tree", "k": 5, "route": "single"}
+                           ).json()
+    assert [item["id"] for item in body["items"]] == [bundle.items.ids[r] for r in rows[0]]
+    assert [item["slot"] for item in body["items"]] == [0] * 5  # one probe: the query
+    assert body["groundedness"] == pytest.approx(float(scores[0, 0]), abs=1e-5)
 
 
 def test_ar_items_match_the_fanout_subqueries(server, benchmark_queries, completion_server):
@@ -151,7 +190,13 @@ def test_info_reports_manifest_providers_and_routing(server):
     with server.client() as client:
         info = client.get("/v1/info").json()
     served = info["served"]
-    assert served["bundle"]["manifest"]["stages"]["diffusion"]["config"]["rows"] == 10
+    diffusion = served["paths"]["diffusion"]["config"]  # the export's diffusion.json
+    assert {key: diffusion[key] for key in ("rows", "k", "context", "context_source", "draws",
+                                            "solver", "steps")} == {
+        "rows": 10, "k": 10, "context": 4, "context_source": "prompt", "draws": 2,
+        "solver": "euler", "steps": 4}
+    stage = served["bundle"]["manifest"]["stages"]["diffusion"]
+    assert stage["config"]["export"]["draws"] == 2 and stage["sampler"]["rows"] == 10
     assert "CPUExecutionProvider" in served["providers"]["diffusion"]
     assert served["routing"]["weights"] == {"ar": 0.5, "diffusion": 0.5}
     assert "admin_token" not in info["settings"] and info["settings"]["admin_api"] is True

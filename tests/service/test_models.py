@@ -6,12 +6,11 @@ output is usually malformed: the answer must still hold k distinct items and say
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from service.bundle import commit_stage, config_hash, read_manifest
+from service.bundle import config_hash, read_manifest, stage
 from service.items import ItemStore
 from tests.service.conftest import live_server, make_settings
 from tests.service.test_app import assert_k_unique
@@ -20,13 +19,10 @@ torch = pytest.importorskip("torch")
 
 
 def commit_diffusion(bundle: Path, diffusion_dir: Path) -> None:
-    manifest = read_manifest(bundle)
-    staged = Path(tempfile.mkdtemp(prefix=".staging-diffusion-", dir=bundle))
-    shutil.copytree(diffusion_dir, staged / "diffusion")
-    files = sorted(f"diffusion/{p.name}" for p in (staged / "diffusion").iterdir())
     record = {"config": {"source": "tiny test export"}, "wall_s": 0.0,
               "config_hash": config_hash({"source": "tiny test export"})}
-    commit_stage(bundle, manifest, "diffusion", staged, files, record)
+    with stage(bundle, read_manifest(bundle), "diffusion", record) as staged:
+        shutil.copytree(diffusion_dir, staged / "diffusion")
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +92,13 @@ def test_onnx_backend_decodes_under_the_decoding_setting(model_bundle: Path) -> 
 
     decoder = BreakHappyDecoder(model_bundle / "folm", threads=1)  # short fan-outs unless held
     prompts = ["query: boat\nfan-out:\n"] * 16
-    held = OnnxFanoutBackend(decoder, 1.0, 120, 0, decoding="lines").generate(prompts)
-    free = OnnxFanoutBackend(decoder, 1.0, 120, 0, decoding="free").generate(prompts)
+    held, free = ([g.text for g in OnnxFanoutBackend(decoder, 1.0, 120, 0, decoding=d)
+                   .generate(prompts)] for d in ("lines", "free"))
     lines = [[len(t.split("\n")) for t in texts] for texts in (held, free)]
     assert min(lines[1]) < 10 <= min(lines[0])
     names = [f"boat {i}" for i in range(12)]
     context = [build_prompt("boat", names)] * 4
-    named = OnnxFanoutBackend(decoder, 1.0, 200, 0).generate(context)  # folm.json: "context"
+    named = [g.text for g in OnnxFanoutBackend(decoder, 1.0, 200, 0).generate(context)]  # context
     for text in named:
         assert len(set(text.split("\n"))) == 10 and set(text.split("\n")) <= set(names)
     assert prompt_context(context[0]) == names

@@ -17,7 +17,7 @@ def test_one_call_per_batch_in_order(completion_server, benchmark_queries):
     client = backend(completion_server.url)
     queries = [q.query for q in benchmark_queries[:3]] + ["unknown thing"]
     before = completion_server.state.requests
-    texts = client.generate([build_prompt(q) for q in queries])
+    texts = [g.text for g in client.generate([build_prompt(q) for q in queries])]
     client.close()
     assert completion_server.state.requests == before + 1
     assert parse_fanout(texts[3], 10).subqueries[0] == "unknown thing 1"
@@ -29,7 +29,7 @@ def test_retries_with_backoff_then_succeeds(completion_server):
     completion_server.state.fail_next = 2
     before = completion_server.state.requests
     client = backend(completion_server.url, retries=2)
-    assert client.generate(["harp"])[0].startswith("harp 1")
+    assert client.generate(["harp"])[0].text.startswith("harp 1")
     client.close()
     assert completion_server.state.requests == before + 3
 

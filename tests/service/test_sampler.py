@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from service.errors import BundleError
-from service.sampler import DiffusionSampler, StepSampler, sigma_schedule
+from service.sampler import DiffusionSampler
 from tests.training.proxy_dataset import tiny_diffusion_dir
 
 
@@ -55,13 +55,6 @@ def test_missing_model_is_a_bundle_error(tmp_path):
         DiffusionSampler(tmp_path)
 
 
-def test_step_loop_with_io_binding_matches_the_whole_graph(diffusion_dir):
-    whole = DiffusionSampler(diffusion_dir, threads=1)
-    looped = StepSampler(diffusion_dir, threads=1)
-    queries = _queries(3)
-    assert np.abs(looped.sample(queries, seed=4) - whole.sample(queries, seed=4)).max() < 1e-4
-
-
 @pytest.fixture(scope="module")
 def context_dir(tmp_path_factory):
     import torch
@@ -83,12 +76,4 @@ def test_a_sampler_with_context_needs_it_and_uses_it(context_dir):
     rows = whole.sample(queries, seed=0, context=context)
     assert rows.shape == (3, 10, 128)
     assert not np.allclose(rows, whole.sample(queries, seed=0, context=context[:, ::-1]))
-    looped = StepSampler(context_dir, threads=1)
-    assert np.abs(looped.sample(queries, seed=0, context=context) - rows).max() < 1e-4
 
-
-@pytest.mark.parametrize("steps", [1, 2, 8, 256])
-def test_service_schedule_mirrors_the_training_schedule(steps):
-    from training.samplers import sigma_schedule as training_schedule
-
-    assert np.allclose(sigma_schedule(steps, 0.002, 1.0), training_schedule(steps, 0.002, 1.0))

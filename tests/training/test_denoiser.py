@@ -7,24 +7,16 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.training.proxy_dataset import synthetic_blocks, synthetic_neighbourhood
-from training.denoiser import (
-    PRESETS,
-    SetDenoiser,
-    context_logits,
-    denoise,
-    flops_per_step,
-    guided_denoise,
-    preset,
-)
+from training.denoiser import PRESETS, Denoiser, DenoiserConfig, flops_per_step, preset
 from training.diffusion_training import (
     CHECKPOINT,
     batch_of,
-    context_loss,
     dsm_loss,
     load_ema,
     lr_factor,
     new_state,
     rows_from_block,
+    stored_config_hash,
     train,
     train_preset,
     train_step,
@@ -37,9 +29,9 @@ def one_thread():
     torch.set_num_threads(1)
 
 
-def _randomised(config_name: str = "tiny", **overrides) -> SetDenoiser:
+def _randomised(config_name: str = "tiny", **overrides) -> Denoiser:
     torch.manual_seed(0)
-    model = SetDenoiser(preset(config_name, **overrides)).eval()
+    model = Denoiser(preset(config_name, **overrides)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
@@ -83,74 +75,19 @@ def test_context_conditions_the_rows_and_is_dropped_with_the_query():
     model = _randomised(context=4)
     x, sigma, query = torch.randn(2, 10, 128), torch.tensor([0.1, 0.5]), torch.randn(2, 128)
     c1, c2 = torch.randn(2, 4, 128), torch.randn(2, 4, 128)
-    out = denoise(model, x, sigma, query, context=c1)
-    assert not torch.allclose(out, denoise(model, x, sigma, query, context=c2))
+    out = model(x, sigma, query, context=c1)
+    assert not torch.allclose(out, model(x, sigma, query, context=c2))
     dropped = torch.zeros(2)  # the null condition of CFG ignores the context
-    assert torch.allclose(denoise(model, x, sigma, query, dropped, c1),
-                          denoise(model, x, sigma, query, dropped, c2))
+    assert torch.allclose(model(x, sigma, query, dropped, c1),
+                          model(x, sigma, query, dropped, c2))
     perm = torch.randperm(10)
-    assert torch.allclose(denoise(model, x[:, perm], sigma, query, context=c1), out[:, perm],
+    assert torch.allclose(model(x[:, perm], sigma, query, context=c1), out[:, perm],
                           atol=1e-5)
-    guided = guided_denoise(model, x, sigma, query, 0.5, c1)
-    uncond = denoise(model, x, sigma, query, dropped, c1)
+    guided = model.guided(x, sigma, query, 0.5, c1)
+    uncond = model(x, sigma, query, dropped, c1)
     assert torch.allclose(guided, out + 0.5 * (out - uncond), atol=1e-6)
     with pytest.raises(ValueError, match="context must be"):
-        denoise(model, x, sigma, query)
-
-
-def test_context_head_outputs_a_mixture_of_the_context_items():
-    with pytest.raises(ValueError, match="needs context"):
-        preset("tiny", head="context")
-    untrained = SetDenoiser(preset("tiny", context=4, head="context")).eval()
-    x, sigma, query = torch.randn(2, 10, 128), torch.tensor([0.1, 0.5]), torch.randn(2, 128)
-    context = torch.nn.functional.normalize(torch.randn(2, 4, 128), dim=-1)
-    start = denoise(untrained, x, sigma, query, context=context)  # zero head: uniform weights
-    assert torch.allclose(start, context.mean(1, keepdim=True).expand(-1, 10, -1), atol=1e-6)
-    model = _randomised(context=4, head="context")
-    out = denoise(model, x, sigma, query, context=context)  # (2, 10, 128)
-    # each row is a convex combination of its query's 4 items: recover the weights
-    solved = torch.linalg.lstsq(context.transpose(1, 2), out.transpose(1, 2))
-    weights = solved.solution  # (2, 4, 10)
-    assert torch.allclose(weights.transpose(1, 2) @ context, out, atol=1e-5)
-    assert (weights > -1e-5).all()
-    assert torch.allclose(weights.sum(1), torch.ones(2, 10), atol=1e-5)
-    assert weights.max() > 0.5  # not the uniform start
-    dropped = torch.zeros(2)  # the null condition still mixes the same items
-    uncond = denoise(model, x, sigma, query, dropped, context)
-    assert torch.allclose(uncond, denoise(model, x, sigma, -query, dropped, context))
-    guided = guided_denoise(model, x, sigma, query, 0.5, context)
-    assert torch.allclose(guided, out + 0.5 * (out - uncond), atol=1e-6)
-
-
-def test_context_loss_is_the_cross_entropy_of_the_rows_whose_item_is_in_the_context():
-    model = _randomised(context=4, head="context")
-    context = torch.nn.functional.normalize(torch.randn(2, 4, 128), dim=-1)
-    labels = torch.tensor([[0, 3, 1, 2, 3, 0, 0, 1, 2, 3], [2, 2, 1, 0, 3, 1, 0, 0, 1, 3]])
-    target = torch.gather(context, 1, labels[..., None].expand(-1, -1, 128))  # (2, 10, 128)
-    target[:, 5:] = torch.nn.functional.normalize(torch.randn(2, 5, 128), dim=-1)  # outside
-    x, sigma, query = torch.randn(2, 10, 128), torch.tensor([0.1, 0.5]), torch.randn(2, 128)
-    keep = torch.ones(2)
-    logits = context_logits(model, x, sigma, query, keep, context)  # (2, 10, 4)
-    expected = torch.nn.functional.cross_entropy(logits[:, :5].reshape(-1, 4),  # (10, 4)
-                                                 labels[:, :5].reshape(-1))  # (10,)
-    loss = context_loss(model, x, sigma, query, keep, context, target)
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    with pytest.raises(ValueError, match="no target row"):
-        context_loss(model, x, sigma, query, keep, context, target[:, 5:].repeat(1, 2, 1))
-
-
-def test_one_training_step_lowers_the_context_heads_loss_on_a_fixed_batch():
-    data = synthetic_blocks()
-    neighbours = synthetic_neighbourhood(data, 16)
-    config = train_preset("tiny", lr=3e-3, warmup=1, model=preset("tiny", context=16,
-                                                                   head="context"))
-    state = new_state(config)
-    query, target, context = batch_of(data, config, torch.Generator().manual_seed(1), neighbours)
-    before = _fixed_loss(state, config, query, target, context)
-    assert before == pytest.approx(math.log(16), rel=1e-4)  # uniform over the 16 at the start
-    state.generator = torch.Generator().manual_seed(7)
-    train_step(state, config, query, target, context)
-    assert _fixed_loss(state, config, query, target, context) < before
+        model(x, sigma, query)
 
 
 def test_a_prompt_context_is_the_items_each_querys_prompt_names():
@@ -183,13 +120,23 @@ def test_a_prompt_context_must_name_as_many_items_as_the_teachers_prompts(tmp_pa
 
 def test_new_options_keep_old_configs_and_their_hashes():
     config = preset("cpu", context_source="nearest")
-    assert "head" not in config.to_dict() and "context_source" not in config.to_dict()
-    assert "head" not in train_preset("cpu", model=config).to_dict()["model"]
-    assert type(config)(**config.to_dict()) == config
-    mixed = preset("cpu", head="context", context_source="prompt")
-    assert type(mixed)(**mixed.to_dict()) == mixed
+    assert "context_source" not in config.to_dict()
+    assert DenoiserConfig.from_dict(config.to_dict()) == config
+    prompt = preset("cpu", context_source="prompt")
+    assert DenoiserConfig.from_dict(prompt.to_dict()) == prompt
     with pytest.raises(ValueError, match="context_source"):
         preset("cpu", context_source="random")
+
+
+def test_configs_naming_removed_options_load_at_their_surviving_value():
+    train_config = train_preset("tiny")
+    old = train_config.to_dict()
+    old["model"] = old["model"] | {"conditioning": "adaln", "head": "vector"}
+    assert DenoiserConfig.from_dict(old["model"]) == train_config.model
+    assert stored_config_hash(old) == stored_config_hash(train_config.to_dict())
+    for removed in ({"conditioning": "token"}, {"head": "context"}):
+        with pytest.raises(ValueError, match="no longer supported"):
+            DenoiserConfig.from_dict(train_config.model.to_dict() | removed)
 
 
 def test_ordered_rows_sort_each_block_by_cosine_to_the_query_and_carry_positions():
@@ -204,42 +151,39 @@ def test_ordered_rows_sort_each_block_by_cosine_to_the_query_and_carry_positions
     model = _randomised(ordered=True)
     x, sigma, q = torch.randn(2, 10, 128), torch.tensor([0.05, 0.5]), torch.randn(2, 128)
     perm = torch.flip(torch.arange(10), [0])
-    out = denoise(model, x, sigma, q)
-    assert not torch.allclose(denoise(model, x[:, perm], sigma, q), out[:, perm], atol=1e-3)
+    out = model(x, sigma, q)
+    assert not torch.allclose(model(x[:, perm], sigma, q), out[:, perm], atol=1e-3)
 
 
-@pytest.mark.parametrize("conditioning", ["adaln", "token"])
-def test_denoiser_is_permutation_equivariant_over_rows(conditioning):
-    model = _randomised(conditioning=conditioning)
+def test_denoiser_is_permutation_equivariant_over_rows():
+    model = _randomised()
     x, query = torch.randn(2, 10, 128), torch.randn(2, 128)
     sigma = torch.tensor([0.05, 0.5])
     perm = torch.randperm(10)
-    out = denoise(model, x, sigma, query)
-    assert torch.allclose(denoise(model, x[:, perm], sigma, query), out[:, perm], atol=1e-5)
+    out = model(x, sigma, query)
+    assert torch.allclose(model(x[:, perm], sigma, query), out[:, perm], atol=1e-5)
 
 
 def test_condition_changes_the_output_and_cfg_zero_is_the_conditional_model():
     model = _randomised()
     x, sigma = torch.randn(2, 10, 128), torch.tensor([0.1, 0.1])
     q1, q2 = torch.randn(2, 128), torch.randn(2, 128)
-    assert not torch.allclose(denoise(model, x, sigma, q1), denoise(model, x, sigma, q2))
-    assert torch.allclose(guided_denoise(model, x, sigma, q1, 0.0), denoise(model, x, sigma, q1))
-    guided = guided_denoise(model, x, sigma, q1, 0.5)
-    cond = denoise(model, x, sigma, q1)
-    uncond = denoise(model, x, sigma, q1, keep=torch.zeros(2))
+    assert not torch.allclose(model(x, sigma, q1), model(x, sigma, q2))
+    assert torch.allclose(model.guided(x, sigma, q1, 0.0), model(x, sigma, q1))
+    guided = model.guided(x, sigma, q1, 0.5)
+    cond = model(x, sigma, q1)
+    uncond = model(x, sigma, q1, keep=torch.zeros(2))
     assert torch.allclose(guided, cond + 0.5 * (cond - uncond), atol=1e-6)
 
 
-@pytest.mark.parametrize("config", [PRESETS["tiny"], PRESETS["cpu"],
-                                    preset("tiny", context=16, head="context")],
-                         ids=["tiny", "cpu", "tiny-context-head"])
+@pytest.mark.parametrize("config", [PRESETS["tiny"], PRESETS["cpu"]], ids=["tiny", "cpu"])
 def test_flops_per_step_matches_a_flop_counter(config):
-    model = SetDenoiser(config).eval()
+    model = Denoiser(config).eval()
     context = torch.randn(4, config.context, config.dim) if config.context else None
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        denoise(model, torch.randn(4, config.rows, config.dim), torch.ones(4),
-                torch.randn(4, 128), context=context)
+        model(torch.randn(4, config.rows, config.dim), torch.ones(4), torch.randn(4, 128),
+              context=context)
     assert counter.get_total_flops() / 4 == pytest.approx(flops_per_step(config), rel=0.01)
 
 
