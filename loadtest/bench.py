@@ -23,11 +23,13 @@ import numpy as np
 import onnxruntime as ort
 from tqdm import tqdm
 
-from service.bundle import load_bundle
-from service.encoder import Encoder
-from service.paths import DiffusionPath, PathQuery, SinglePath
-from service.retriever import ar_path
-from service.sampler import DiffusionSampler
+from service.artifacts.bundle import load_bundle
+from service.paths.answer import PathQuery
+from service.paths.diffusion import DiffusionPath
+from service.paths.single import SinglePath
+from service.runtime.encoder import Encoder
+from service.runtime.sampler import DiffusionSampler
+from service.scheduling.retriever import ar_path
 from service.settings import Settings
 
 BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from training.denoiser import Denoiser, count_params, flops_per_step, preset
-from training.samplers import euler_pf_ode
+from training.stage3_diffusion.denoiser import Denoiser, count_params, flops_per_step, preset
+from training.stage3_diffusion.solvers import euler_pf_ode
 
 BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 PAPER_DIFFUSION_S = {8: 0.090, 16: 0.098, 32: 0.157, 64: 0.230, 128: 0.527, 256: 1.091,

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.benchmark import wordnet_queries
+from training.data.splits import wordnet_queries
+from training.data.wordnet import load_nouns
 from training.pipeline import CatalogConfig, build_catalog
-from training.wordnet import load_nouns
 
 N_QUERIES = 12
 N_DISTRACTORS = 1500

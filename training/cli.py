@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from service.errors import R4TError
-from service.trie import DECODINGS
+from service.fanout.trie import DECODINGS
 from training.commands import positive, register_diffusion
 
 DEFAULT_BUNDLE = Path("models/default")
@@ -43,14 +43,14 @@ def cmd_bundle(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from service.bundle import load_bundle
-    from service.encoder import Encoder
-    from training.evaluation import METHODS, evaluate, results_table, write_report
-    from training.fanout_methods import FANOUT_METHODS
-    from training.methods import BASELINES
+    from service.artifacts.bundle import load_bundle
+    from service.runtime.encoder import Encoder
+    from training.evaluation.baselines import BASELINES
+    from training.evaluation.fanout import FANOUT_METHODS
+    from training.evaluation.harness import METHODS, evaluate, results_table, write_report
 
     if args.steps_curve:
-        from training.steps_curve import run_steps_curve
+        from training.evaluation.steps_curve import run_steps_curve
 
         run_steps_curve(args.bundle, args.split, args.k, args.limit, args.seeds)
         return
@@ -70,7 +70,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_table(args: argparse.Namespace) -> None:
-    from training.evaluation import results_table
+    from training.evaluation.harness import results_table
 
     print(results_table(args.bundle))
 
@@ -110,10 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     table = sub.add_parser("table", help="print the bundle's evaluation table")
     table.set_defaults(func=cmd_table)
 
-    from service.server import register as register_serve
-    from training import grpo, policy_export, synthesis
+    from service.api.server import register as register_serve
+    from training.stage1_fanout import command as stage1_command
+    from training.stage1_fanout import export as policy_export
+    from training.stage2_synthesis import synthesis
 
-    for module in (grpo, policy_export, synthesis):
+    for module in (stage1_command, policy_export, synthesis):
         module.register(sub)
     register_diffusion(sub)
     register_serve(sub)

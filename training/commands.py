@@ -48,7 +48,7 @@ def non_negative(text: str) -> int:
 
 def register_diffusion(sub: argparse._SubParsersAction) -> None:
     """`r4t train diffusion` and `r4t export diffusion`. Their defaults live in the torch
-    modules (training presets; `training.diffusion_export.ExportConfig`), so the help says
+    modules (training presets; `training.stage3_diffusion.export.ExportConfig`), so the help says
     where a default comes from rather than restating it."""
     train = subcommand_group(sub, "train", "train models").add_parser(
         "diffusion", help="train the stage-3 diffusion denoiser")
@@ -69,7 +69,7 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--run-dir", type=Path, default=None,
                        help="checkpoint dir (default: <bundle>/runs/diffusion)")
     train.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
-    train.set_defaults(func=lazy("training.diffusion_training", "cmd_train_diffusion"))
+    train.set_defaults(func=lazy("training.stage3_diffusion.trainer", "cmd_train_diffusion"))
 
     export = subcommand_group(sub, "export", "export trained models into the bundle").add_parser(
         "diffusion", help="export the denoiser and its whole sampler to ONNX")
@@ -90,7 +90,7 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--parity-batch", type=int, default=None,
                         help="queries in the ONNX-vs-PyTorch parity check "
                              "(default: ExportConfig's)")
-    export.set_defaults(func=lazy("training.diffusion_export", "cmd_export_diffusion"))
+    export.set_defaults(func=lazy("training.stage3_diffusion.export", "cmd_export_diffusion"))
 
 
 def given(source: argparse.Namespace | Mapping[str, Any], *names: str) -> dict[str, Any]:

@@ -1,13 +1,15 @@
 """Builds a bundle stage by stage, rebuilding only the stages that are not current.
 
-Stages, in order (`service.bundle.STAGE_INPUTS` says which stages each one reads): `catalog`
+Stages, in order (`service.artifacts.bundle.STAGE_INPUTS` says which stages each one reads):
+`catalog`
 (parse → embed → FAISS index), `benchmark` (broad queries and their splits), stage 1
 `folm-warmstart` and `folm` (the fan-out LM's warm start and its GRPO policy, each exported to
 ONNX), stage 2 `synthesis` (the denoiser's training set: a run folder, no bundle files) and
 stage 3 `diffusion` (the denoiser, trained and exported with its sampler). A stage is current
 when its record's config hash is that of the config it would be built with now and every input
-is still the record it was built from (`service.bundle.stage_status`): a catalog change
-rebuilds everything downstream. Each stage commits through `service.bundle.stage`, so a failed
+is still the record it was built from (`service.artifacts.bundle.stage_status`): a catalog change
+rebuilds everything downstream. Each stage commits through `service.artifacts.bundle.stage`, so a
+failed
 stage leaves the bundle as it was; a stage's run folder (`runs/...`) is resumed only when it
 was started for the same config and inputs (its build-key.json), else emptied first.
 `build_bundle` prints its plan first and keeps `<bundle>/build.json` up to date.
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from service.bundle import (
+from service.artifacts.bundle import (
     BUILD_STATUS,
     INDEX_FILE,
     config_hash,
@@ -41,19 +43,19 @@ from service.bundle import (
     stage_status,
     write_json_atomic,
 )
-from service.encoder import Encoder, EncoderConfig
+from service.artifacts.items import ItemStore
 from service.errors import BundleError
-from service.index import build_index, save_index
-from service.items import ItemStore
-from training.benchmark import read_benchmark_file, split_queries, wordnet_queries, write_splits
-from training.catalog import WORDNET, Catalog, load_catalog
+from service.runtime.encoder import Encoder, EncoderConfig
+from service.runtime.index import build_index, save_index
+from training.data.catalog import WORDNET, Catalog, load_catalog
+from training.data.splits import read_benchmark_file, split_queries, wordnet_queries, write_splits
 
 if TYPE_CHECKING:  # stages 1-3 import torch: only when they are built
-    from training.diffusion_export import ExportConfig
-    from training.diffusion_training import TrainConfig
-    from training.grpo import GrpoConfig
-    from training.synthesis import SynthesisConfig
-    from training.warmstart import WarmStartConfig
+    from training.stage1_fanout.grpo import GrpoConfig
+    from training.stage1_fanout.warmstart import WarmStartConfig
+    from training.stage2_synthesis.synthesis import SynthesisConfig
+    from training.stage3_diffusion.export import ExportConfig
+    from training.stage3_diffusion.trainer import TrainConfig
 
 MODELS_DIR = Path("models")
 EMBED_CHUNK = 4096
@@ -93,11 +95,11 @@ class StageConfigs:
 
 def stage_configs(preset: str = "cpu") -> StageConfigs:
     """Every stage's preset `preset` (cpu: the default bundle; tiny: tests, seconds)."""
-    from training.diffusion_export import ExportConfig
-    from training.diffusion_training import train_preset
-    from training.grpo import GRPO_PRESETS
-    from training.synthesis import SYNTHESIS_PRESETS
-    from training.warmstart import WARMSTART_PRESETS
+    from training.stage1_fanout.grpo import GRPO_PRESETS
+    from training.stage1_fanout.warmstart import WARMSTART_PRESETS
+    from training.stage2_synthesis.synthesis import SYNTHESIS_PRESETS
+    from training.stage3_diffusion.export import ExportConfig
+    from training.stage3_diffusion.trainer import train_preset
 
     if preset not in BUNDLE_PRESETS:
         raise ValueError(f"unknown bundle preset {preset!r}; available: {BUNDLE_PRESETS}")
@@ -111,9 +113,9 @@ def stage_keys(catalog: CatalogConfig, configs: StageConfigs | None = None) -> d
     the catalog stages alone without `configs`."""
     keys: dict[str, dict] = {"catalog": _catalog_key(catalog), "benchmark": _benchmark_key(catalog)}
     if configs is not None:
-        from training.diffusion_export import diffusion_stage_config
-        from training.policy_export import policy_stage_config
-        from training.synthesis import synthesis_stage_config
+        from training.stage1_fanout.export import policy_stage_config
+        from training.stage2_synthesis.synthesis import synthesis_stage_config
+        from training.stage3_diffusion.export import diffusion_stage_config
 
         keys["folm-warmstart"] = policy_stage_config(asdict(configs.warmstart))
         keys["folm"] = policy_stage_config(asdict(configs.grpo))
@@ -183,7 +185,7 @@ def build_bundle(
 
 class BuildProgress:
     """`<bundle>/build.json`, rewritten atomically at every step of a build (see
-    `service.bundle.read_build_status`). Refuses a second live build of one bundle."""
+    `service.artifacts.bundle.read_build_status`). Refuses a second live build of one bundle."""
 
     def __init__(self, bundle_dir: Path) -> None:
         running = read_build_status(bundle_dir)
@@ -326,7 +328,7 @@ def _build_benchmark(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
 
 def _build_warmstart(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     """Stage 1a: the warm start (`r4t train folm --warmstart-only`), exported to ONNX."""
-    from training.warmstart import WARMSTART_RUN, warm_start
+    from training.stage1_fanout.warmstart import WARMSTART_RUN, warm_start
 
     configs = _configs(build)
     run_dir = _run_dir(build, manifest, "folm-warmstart", build.bundle_dir / "runs" / WARMSTART_RUN)
@@ -336,8 +338,8 @@ def _build_warmstart(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
 
 def _build_folm(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     """Stage 1b: GRPO from the warm start (`r4t train folm`), exported to ONNX."""
-    from training.grpo import run_dir_for, train_grpo
-    from training.warmstart import FINAL, WARMSTART_RUN
+    from training.stage1_fanout.grpo import run_dir_for, train_grpo
+    from training.stage1_fanout.warmstart import FINAL, WARMSTART_RUN
 
     configs = _configs(build)
     init = _checkpoint(build.bundle_dir / "runs" / WARMSTART_RUN / FINAL, "folm-warmstart")
@@ -348,10 +350,15 @@ def _build_folm(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
 
 def _build_synthesis(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     """Stage 2 (`r4t synthesize`): sample the GRPO policy into runs/synthesis."""
-    from training.grpo import run_dir_for
-    from training.policy_export import FOLDERS
-    from training.synthesis import POLICY_ONNX, SYNTHESIS_RUN, commit_synthesis, synthesize
-    from training.warmstart import FINAL
+    from training.stage1_fanout.export import FOLDERS
+    from training.stage1_fanout.grpo import run_dir_for
+    from training.stage1_fanout.warmstart import FINAL
+    from training.stage2_synthesis.synthesis import (
+        POLICY_ONNX,
+        SYNTHESIS_RUN,
+        commit_synthesis,
+        synthesize,
+    )
 
     configs = _configs(build)
     policy = _checkpoint(run_dir_for(build.bundle_dir, configs.grpo.reward) / FINAL, "folm")
@@ -367,8 +374,8 @@ def _build_diffusion(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     change resumes the finished training run: only the export is redone."""
     import torch
 
-    from training.diffusion_export import export_diffusion
-    from training.diffusion_training import CHECKPOINT, RUN_NAME, train_on_bundle
+    from training.stage3_diffusion.export import export_diffusion
+    from training.stage3_diffusion.trainer import CHECKPOINT, RUN_NAME, train_on_bundle
 
     configs = _configs(build)
     torch.set_num_threads(configs.threads)
@@ -395,7 +402,7 @@ def _configs(build: _Build) -> StageConfigs:
 def _export_policy(build: _Build, checkpoint: Path, name: str) -> dict[str, Any]:
     import torch
 
-    from training.policy_export import commit_policy
+    from training.stage1_fanout.export import commit_policy
 
     torch.set_num_threads(_configs(build).threads)
     commit_policy(build.bundle_dir, checkpoint, name)

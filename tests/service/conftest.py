@@ -29,10 +29,10 @@ import pytest
 import uvicorn
 from onnx import TensorProto, helper
 
-from service.app import create_app
-from service.bundle import config_hash, read_manifest, stage, write_manifest
+from service.api.app import create_app
+from service.artifacts.bundle import config_hash, read_manifest, stage, write_manifest
 from service.settings import Settings
-from training.benchmark import BenchmarkQuery
+from training.data.splits import BenchmarkQuery
 
 ROWS = 10  # rows = k, as the default bundle's sampler
 DIM = 128
@@ -123,8 +123,8 @@ def export_tiny_diffusion(bundle_dir: Path, run_dir: Path) -> dict[str, Any]:
     sampler as the default bundle's is, and commit it into the bundle; its diffusion.json."""
     import torch
 
-    from tests.training.proxy_dataset import tiny_checkpoint
-    from training.diffusion_export import ExportConfig, export_diffusion
+    from tests.training.stage3_diffusion.proxy_dataset import tiny_checkpoint
+    from training.stage3_diffusion.export import ExportConfig, export_diffusion
 
     torch.set_num_threads(1)
     # one block and a few training steps keep the session's setup short (the dynamo export

@@ -1,0 +1,142 @@
+"""`r4t serve`: uvicorn running `create_app(settings)`, logging one JSON object per line.
+
+Every log line carries the request id of the request it belongs to (see service.api.middleware).
+Settings come from `R4T_*` environment variables; the command's flags override them.
+`r4t serve --build` also runs `r4t bundle` in a child process and serves whatever the bundle
+holds as each stage lands (the `single` route once the catalog exists), so a fresh machine
+answers within minutes instead of after the whole offline job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import logging.config
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from service.api.middleware import current_request_id
+from service.settings import Settings
+
+DEFAULT_BUNDLE = Path("models/default")  # the r4t command's --bundle default
+WATCH_S = 2.0  # manifest poll period while a background build runs
+BUILD_NICENESS = 10  # the build yields the cores to requests
+STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys()) | {
+    "message", "asctime", "taskName", "color_message",
+}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, message, request_id, extras."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            "request_id": current_request_id(),
+        }
+        for key, value in vars(record).items():
+            if key not in STANDARD_ATTRS and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """dictConfig for uvicorn and r4t: JSON to stderr; uvicorn's access log replaced by ours."""
+    level = level.upper()
+    handler = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"json": {"()": JsonFormatter}},
+        "handlers": {"json": handler},
+        "root": {"handlers": ["json"], "level": "WARNING"},
+        "loggers": {
+            "httpx": {"level": "WARNING"},
+            "r4t": {"handlers": ["json"], "level": level, "propagate": False},
+            "uvicorn": {"handlers": ["json"], "level": level, "propagate": False},
+            "uvicorn.error": {"level": level},
+            "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},
+        },
+    }
+
+
+def serve(settings: Settings | None = None) -> None:
+    """Run the service in the foreground until interrupted."""
+    import uvicorn
+
+    from service.api.app import create_app
+
+    settings = settings or Settings()
+    config = log_config(settings.log_level)
+    logging.config.dictConfig(config)
+    app = create_app(settings)
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_config=config,
+        access_log=False, proxy_headers=False, server_header=False, timeout_keep_alive=30,
+    )
+
+
+@contextmanager
+def background_build(bundle: Path) -> Iterator[subprocess.Popen]:
+    """`r4t bundle` in a lower-priority child process (its progress bars on this terminal);
+    stopped when serving ends."""
+    command = [sys.executable, "-m", "training.cli", "--bundle", str(bundle), "bundle"]
+    child = subprocess.Popen(command, preexec_fn=lambda: os.nice(BUILD_NICENESS))
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    """Flags override R4T_* variables; R4T_BUNDLE wins over an unchanged default --bundle."""
+    overrides: dict[str, Any] = {}
+    if not (os.environ.get("R4T_BUNDLE") and Path(args.bundle) == DEFAULT_BUNDLE):
+        overrides["bundle"] = args.bundle
+    for name in ("host", "port", "routes", "openai_base_url", "providers", "log_level"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    settings = Settings(**overrides)
+    if not getattr(args, "build", False):
+        serve(settings)
+        return
+    if not settings.watch_s:
+        settings = settings.model_copy(update={"watch_s": WATCH_S})
+    with background_build(settings.bundle):
+        serve(settings)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `r4t serve` to the r4t command (the bundle comes from the global --bundle)."""
+    parser = sub.add_parser(
+        "serve", help="serve the bundle over HTTP (settings: R4T_* environment variables)"
+    )
+    parser.add_argument("--host", default=None, help="bind address (R4T_HOST)")
+    parser.add_argument("--port", type=int, default=None, help="port (R4T_PORT)")
+    parser.add_argument("--routes", default=None, help="A/B weights, e.g. diffusion=0.9,ar=0.1")
+    parser.add_argument("--openai-base-url", default=None,
+                        help="OpenAI-compatible endpoint for the AR path")
+    parser.add_argument("--providers", default=None, help="ONNX Runtime providers or 'auto'")
+    parser.add_argument("--log-level", default=None, help="log level (R4T_LOG_LEVEL)")
+    parser.add_argument("--build", action="store_true",
+                        help="also build what the bundle lacks (`r4t bundle`, in the "
+                             "background) and serve each route as its stage lands")
+    parser.set_defaults(func=cmd_serve)

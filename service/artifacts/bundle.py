@@ -1,0 +1,321 @@
+"""Artifact bundles: `models/<name>/manifest.json` plus the files it lists with their sha256.
+
+A bundle is written stage by stage (catalog, index, benchmark, then the models); each stage's
+files are moved in and the manifest is replaced atomically last, so a bundle on disk is
+either consistent or refused on load with a clear reason.
+
+Each stage's record holds its `config_hash` and its `inputs`: the hash of every stage it read
+(STAGE_INPUTS) when it was built. A stage is current only while its config is the one it
+would be built with now and each input is still the record it was built from
+(`stage_status`). While `training.pipeline.build_bundle` runs it keeps `build.json` up to
+date (`read_build_status`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import faiss
+
+from service.artifacts.items import ItemStore
+from service.errors import BundleError
+from service.runtime.encoder import EncoderConfig
+from service.runtime.index import load_index
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+INDEX_FILE = "index.faiss"
+REPORTS_DIR = "eval"  # evaluation reports: written after the fact, not checksummed
+BUILD_STATUS = "build.json"  # progress of a running `build_bundle`, not checksummed
+
+# The stages each stage reads. Stage 1 is `folm-warmstart` then `folm` (its GRPO policy),
+# stage 2 `synthesis` (a run folder, no bundle files), stage 3 `diffusion`.
+STAGE_INPUTS: dict[str, tuple[str, ...]] = {
+    "catalog": (),
+    "benchmark": ("catalog",),
+    "folm-warmstart": ("catalog", "benchmark"),
+    "folm": ("catalog", "benchmark", "folm-warmstart"),
+    "synthesis": ("catalog", "benchmark", "folm"),
+    "diffusion": ("catalog", "synthesis"),
+}
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """Stable short hash of a JSON-able config: a stage is current when its hash matches."""
+    text = json.dumps(config, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def git_commit() -> str:
+    """HEAD's sha, with "-dirty" when the code that builds artifacts has uncommitted changes."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, timeout=5, cwd=root).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--", "service", "training"],
+                                capture_output=True, text=True, check=True, timeout=5, cwd=root)
+        return head + ("-dirty" if status.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def read_manifest(bundle_dir: Path) -> dict[str, Any]:
+    """Parse the manifest; raise BundleError when it is absent, unreadable or of another format."""
+    path = bundle_dir / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"no bundle at {bundle_dir}: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{path} is not valid JSON: {exc}") from exc
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise BundleError(f"{path}: format_version {version!r}, expected {FORMAT_VERSION}")
+    return manifest
+
+
+def verify_bundle(bundle_dir: Path) -> dict[str, Any]:
+    """Check every listed file exists with its recorded sha256; return the manifest."""
+    manifest = read_manifest(bundle_dir)
+    files: dict[str, dict[str, Any]] = manifest.get("files", {})
+    if not files:
+        raise BundleError(f"bundle {bundle_dir} lists no files: it is partial")
+    for name, record in sorted(files.items()):
+        path = bundle_dir / name
+        if not path.is_file():
+            raise BundleError(f"bundle {bundle_dir} is partial: {name} is missing")
+        if path.stat().st_size != record["bytes"] or sha256_file(path) != record["sha256"]:
+            raise BundleError(f"bundle {bundle_dir} is corrupted: {name} fails its sha256 check")
+    return manifest
+
+
+def new_manifest(name: str, encoder: EncoderConfig, seed: int) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "name": name,
+        "created": now_iso(),
+        "git_commit": git_commit(),
+        "seed": seed,
+        "encoder": {"name": encoder.name, "dim": encoder.dim},
+        "n_items": 0,
+        "stages": {},
+        "files": {},
+    }
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Replace `path` atomically with `data` as JSON (write a temp file, fsync, rename)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(data, out, indent=2, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_manifest(bundle_dir: Path, manifest: dict[str, Any]) -> None:
+    """Replace the manifest atomically."""
+    manifest["updated"] = now_iso()
+    write_json_atomic(bundle_dir / MANIFEST, manifest)
+
+
+def commit_stage(
+    bundle_dir: Path,
+    manifest: dict[str, Any],
+    stage: str,
+    staged_dir: Path,
+    files: list[str],
+    record: dict[str, Any],
+) -> dict[str, Any]:
+    """Move a finished stage's files from `staged_dir` into the bundle and record them.
+
+    The record gets the stage's `inputs` (unless it brings them) and replaces the stage's
+    previous one; files of the previous record that the new one does not list are dropped.
+    Prefer `with stage(...)`, which stages, commits and cleans up."""
+    inputs = record.get("inputs", stage_inputs(manifest, stage))
+    previous = manifest.get("stages", {}).get(stage) or {}
+    for name in files:
+        target = bundle_dir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged_dir / name, target)
+        manifest["files"][name] = {"sha256": sha256_file(target), "bytes": target.stat().st_size}
+    dropped = set(previous.get("files", ())) - set(files)
+    for name in dropped:
+        manifest["files"].pop(name, None)
+    manifest["stages"][stage] = {
+        **record,
+        "inputs": inputs,
+        "files": sorted(files),
+        "git_commit": git_commit(),
+        "finished": now_iso(),
+    }
+    write_manifest(bundle_dir, manifest)
+    for name in dropped:
+        (bundle_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(staged_dir, ignore_errors=True)
+    return manifest
+
+
+@contextmanager
+def stage(
+    bundle_dir: Path, manifest: dict[str, Any], name: str, record: dict[str, Any]
+) -> Iterator[Path]:
+    """`with stage(bundle_dir, manifest, "folm", record) as staged:` yields a staging folder
+    inside the bundle; the body writes the stage's files under it and may add to `record`.
+    When the body returns, the files are committed (those the body lists in
+    `record["files"]`, else every file written under `staged`) with `record` as the stage's
+    manifest record, its `inputs` taken from `manifest` as it was on entry. When the body
+    raises, the bundle is left as it was. The staging folder is removed either way."""
+    bundle_dir = Path(bundle_dir)
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    inputs = stage_inputs(manifest, name)
+    staged = Path(tempfile.mkdtemp(prefix=f".staging-{name}-", dir=bundle_dir))
+    try:
+        yield staged
+        files = record.get("files")
+        if files is None:
+            files = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*")
+                           if p.is_file())
+        commit_stage(bundle_dir, manifest, name, staged, list(files),
+                     {"inputs": inputs, **record})
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def stage_hash(manifest: dict[str, Any], name: str) -> str | None:
+    """The identity of a stage's current record (None when absent): its config hash, its
+    inputs and the sha256 of its files; a rebuild that changes any of them changes it."""
+    record = manifest.get("stages", {}).get(name)
+    if not record:
+        return None
+    files = manifest.get("files", {})
+    return config_hash({
+        "config_hash": record.get("config_hash"), "inputs": record.get("inputs"),
+        "files": {f: files.get(f, {}).get("sha256") for f in record.get("files", ())},
+    })
+
+
+def stage_inputs(manifest: dict[str, Any], name: str) -> dict[str, str]:
+    """{input stage: its stage_hash} of the inputs (STAGE_INPUTS) the manifest holds now."""
+    hashes = {dep: stage_hash(manifest, dep) for dep in STAGE_INPUTS.get(name, ())}
+    return {dep: h for dep, h in hashes.items() if h is not None}
+
+
+def stage_status(
+    manifest: dict[str, Any], name: str, stage_config: dict[str, Any],
+    changing: Iterable[str] = (),
+) -> tuple[str, str]:
+    """(action, reason) for a stage that would be built with `stage_config` now:
+    ("current", ""), ("build", "absent"), ("rebuild", "config changed") or
+    ("rebuild", "catalog changed") when an input's record is not the one it was built from
+    or is in `changing` (stages about to be rebuilt)."""
+    record = manifest.get("stages", {}).get(name)
+    if not record:
+        return "build", "absent"
+    if record.get("config_hash") != config_hash(stage_config):
+        return "rebuild", "config changed"
+    recorded = record.get("inputs")
+    if recorded is None:
+        return "rebuild", "its inputs were not recorded"
+    now = stage_inputs(manifest, name)
+    changed = [dep for dep in STAGE_INPUTS.get(name, ())
+               if dep in set(changing) or recorded.get(dep) != now.get(dep)]
+    if changed:
+        return "rebuild", f"{', '.join(changed)} changed"
+    return "current", ""
+
+
+def read_build_status(bundle_dir: Path) -> dict[str, Any] | None:
+    """The progress of the bundle's last `build_bundle` (build.json), or None when there is
+    none: {"state": "running"|"done"|"failed", "pid", "started", "updated", "plan": [{"stage",
+    "action", "reason"}], "current", "finished", "error"}. A "running" build whose process is
+    gone reads as "failed"."""
+    try:
+        status = json.loads((Path(bundle_dir) / BUILD_STATUS).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(status, dict):
+        return None
+    if status.get("state") == "running" and not process_alive(status.get("pid")):
+        status["state"] = "failed"
+        status["error"] = f"the build (pid {status.get('pid')}) stopped without finishing"
+    return status
+
+
+def process_alive(pid: Any) -> bool:
+    """Whether a process of this id runs on this machine."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Bundle:
+    """A verified bundle loaded for serving or evaluation."""
+
+    path: Path
+    manifest: dict[str, Any]
+    items: ItemStore
+    index: faiss.Index
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest.get("name", self.path.name))
+
+    @property
+    def encoder_config(self) -> EncoderConfig:
+        enc = self.manifest["encoder"]
+        return EncoderConfig(name=enc["name"], dim=int(enc["dim"]))
+
+    def has(self, name: str) -> bool:
+        return name in self.manifest.get("files", {})
+
+
+def load_bundle(bundle_dir: Path) -> Bundle:
+    """Verify checksums, then load the item store and the index."""
+    bundle_dir = Path(bundle_dir)
+    manifest = verify_bundle(bundle_dir)
+    for needed in (INDEX_FILE, "items.jsonl", "embeddings.npy"):
+        if needed not in manifest["files"]:
+            raise BundleError(f"bundle {bundle_dir} has no {needed}: run `r4t catalog` first")
+    items = ItemStore.load(bundle_dir)
+    index = load_index(bundle_dir / INDEX_FILE)
+    if index.ntotal != len(items) or index.d != items.embeddings.shape[1]:
+        raise BundleError(
+            f"bundle {bundle_dir}: index holds {index.ntotal}x{index.d}, "
+            f"items {items.embeddings.shape}"
+        )
+    return Bundle(path=bundle_dir, manifest=manifest, items=items, index=index)

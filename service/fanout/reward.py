@@ -1,0 +1,108 @@
+"""The composite fan-out reward, vectorised over a group of candidates (numpy only).
+
+R(q, Q) = w_g·groundedness + w_d·diversity + w_a·alignment, weights 0.6/0.2/0.2 (paper §2.2):
+- groundedness: mean over the k slots of max(0, cos(sub-query, nearest catalog item));
+- diversity: Vendi score of the slots' top-1 items, normalised to [0, 1] as (VS − 1)/(k − 1);
+- alignment: mean over the k slots of max(0, cos(sub-query, query)).
+A slot that is missing, empty or a duplicate of an earlier slot is invalid and scores 0 on
+every term, so malformed candidates score low by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import faiss
+import numpy as np
+
+from service.runtime.index import search
+
+
+@dataclass(frozen=True)
+class RewardWeights:
+    ground: float = 0.6
+    diversity: float = 0.2
+    alignment: float = 0.2
+
+
+@dataclass
+class RewardTerms:
+    """Per-candidate terms, each (G,) float64 in [0, 1]."""
+
+    ground: np.ndarray
+    diversity: np.ndarray
+    alignment: np.ndarray
+    total: np.ndarray
+    n_valid: np.ndarray
+
+
+def vendi_score(vectors: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Vendi score exp(H(eig(K/n))) of each set of unit vectors; K is the cosine kernel.
+
+    vectors: (..., n, d); mask: (..., n) marks the members (default all). Returns (...).
+    Identical members give 1, mutually orthogonal members give n.
+    """
+    x = np.asarray(vectors, dtype=np.float64)
+    if mask is None:
+        mask = np.ones(x.shape[:-1], dtype=bool)
+    x = x * mask[..., None]  # (..., n, d): non-members become zero rows
+    count = np.maximum(mask.sum(axis=-1), 1)  # (...)
+    kernel = x @ np.swapaxes(x, -1, -2) / count[..., None, None]  # (..., n, n)
+    eig = np.clip(np.linalg.eigvalsh(kernel), 0.0, None)  # (..., n)
+    entropy = -np.sum(np.where(eig > 1e-12, eig * np.log(np.maximum(eig, 1e-300)), 0.0), axis=-1)
+    score = np.exp(entropy)
+    return np.where(mask.any(axis=-1), score, 0.0)
+
+
+def subquery_mask(subqueries: list[str], k: int) -> np.ndarray:
+    """(k,) bool: slot i is valid when present, non-empty and not a repeat of an earlier slot."""
+    mask = np.zeros(k, dtype=bool)
+    seen: set[str] = set()
+    for i, text in enumerate(subqueries[:k]):
+        key = " ".join(text.lower().split())
+        if key and key not in seen:
+            mask[i] = True
+            seen.add(key)
+    return mask
+
+
+def reward_terms(
+    query: np.ndarray,
+    probes: np.ndarray,
+    valid: np.ndarray,
+    nearest_sim: np.ndarray,
+    nearest_emb: np.ndarray,
+    weights: RewardWeights = RewardWeights(),
+) -> RewardTerms:
+    """Score G candidates of k probes each.
+
+    query: (d,) or (G, d); probes: (G, k, d); valid: (G, k) bool;
+    nearest_sim: (G, k) cosine of each probe to its nearest item; nearest_emb: (G, k, d).
+    """
+    g, k, _ = probes.shape
+    q = np.broadcast_to(np.asarray(query, dtype=np.float64), (g, probes.shape[-1]))  # (G, d)
+    valid = np.asarray(valid, dtype=bool)
+    ground = (np.clip(nearest_sim, 0.0, 1.0) * valid).sum(axis=1) / k  # (G,)
+    cos_q = np.einsum("gkd,gd->gk", probes.astype(np.float64), q)  # (G, k)
+    alignment = (np.clip(cos_q, 0.0, 1.0) * valid).sum(axis=1) / k  # (G,)
+    vs = vendi_score(nearest_emb, valid)  # (G,)
+    diversity = np.clip((vs - 1.0) / max(k - 1, 1), 0.0, 1.0)
+    total = weights.ground * ground + weights.diversity * diversity + weights.alignment * alignment
+    return RewardTerms(ground, diversity, alignment, total, valid.sum(axis=1))
+
+
+def score_probes(
+    index: faiss.Index,
+    item_embeddings: np.ndarray,
+    query: np.ndarray,
+    probes: np.ndarray,
+    valid: np.ndarray | None = None,
+    weights: RewardWeights = RewardWeights(),
+) -> RewardTerms:
+    """Resolve each probe to its nearest catalog item, then score. probes: (G, k, d)."""
+    g, k, d = probes.shape
+    if valid is None:
+        valid = np.ones((g, k), dtype=bool)
+    sims, rows = search(index, probes.reshape(g * k, d), 1)  # (G·k, 1)
+    nearest_emb = item_embeddings[rows[:, 0]].reshape(g, k, d)  # (G, k, d)
+    return reward_terms(query, probes, valid, sims[:, 0].reshape(g, k), nearest_emb, weights)

@@ -1,0 +1,49 @@
+"""What every retrieval path returns: per query, k distinct items, the probes they were
+resolved from, their groundedness and the batch's per-stage timings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.paths.resolution import Selection
+
+
+@dataclass(frozen=True)
+class PathQuery:
+    text: str
+    k: int
+
+
+@dataclass
+class PathAnswer:
+    selection: Selection
+    groundedness: float
+    probes: np.ndarray  # (P, d) what the items were resolved from; slot i is probes[i]
+    timings_s: dict[str, float] = field(default_factory=dict)  # stages of the whole batch
+    notes: list[str] = field(default_factory=list)
+    well_formed: bool = True  # False: a malformed fan-out (its probes are the usable lines)
+    subqueries: list[str] = field(default_factory=list)  # AR: the usable fan-out lines
+    tokens: int = 0  # AR: tokens the fan-out model generated for this query
+
+
+class StageClock:
+    """Wall time per named stage, measured lap by lap."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.timings[stage] = self.timings.get(stage, 0.0) + now - self._last
+        self._last = now
+
+
+def stamp(answers: list[PathAnswer], clock: StageClock) -> list[PathAnswer]:
+    """Give every answer of a batch the batch's stage timings."""
+    for answer in answers:
+        answer.timings_s = clock.timings
+    return answers

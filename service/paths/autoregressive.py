@@ -1,0 +1,135 @@
+"""The autoregressive (AR) route: encode → the query's nearest catalog names (the prompt's
+context) → the fan-out model (ONNX decoder with a KV cache, or an OpenAI-compatible endpoint) →
+parse sub-queries → encode → k distinct items claimed by the sub-queries. A malformed fan-out
+still yields k items: missing slots come from the query's dense neighbours, and the answer
+says so."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from service.artifacts.bundle import Bundle
+from service.errors import BundleError
+from service.fanout.format import Generation, PromptBuilder, parse_fanout
+from service.fanout.grounding import NameGrounding
+from service.fanout.trie import DECODINGS, NAME_SCOPES, NameConstraint
+from service.paths.answer import PathAnswer, PathQuery, StageClock, stamp
+from service.paths.resolution import resolve_items
+from service.runtime.encoder import Encoder
+
+
+class FanoutBackend(Protocol):
+    """Writes one fan-out completion per prompt (text in service.fanout.format's format)."""
+
+    name: str
+
+    def generate(self, prompts: list[str]) -> list[Generation]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class OnnxFanoutBackend:
+    """The bundle's fan-out model decoded by service.runtime.decoding.FanoutDecoder.
+
+    `decoding` (service/fanout/trie.py DECODINGS): "free", "lines" (exactly k non-empty lines),
+    "context" (each line a name from the prompt's catalog line) or "catalog" (any item name,
+    from `catalog_names`); None = what the model was trained under (folm.json, else "lines").
+    """
+
+    name = "onnx"
+
+    def __init__(
+        self, decoder: Any, temperature: float | None, max_new_tokens: int, seed: int | None,
+        decoding: str | None = None, catalog_names: Sequence[str] = (),
+    ) -> None:
+        if temperature is None:
+            temperature = float(decoder.config.get("temperature", 0.0))
+        decoding = decoding or str(decoder.config.get("decoding", "lines"))
+        if decoding not in DECODINGS:
+            raise BundleError(f"unknown fan-out decoding {decoding!r}; use one of {DECODINGS}")
+        self.decoder, self.temperature, self.decoding = decoder, temperature, decoding
+        self.max_new_tokens, self.seed = max_new_tokens, seed
+        self.names = NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]), decoding,
+                                    catalog_names) if decoding in NAME_SCOPES else None
+
+    def generate(self, prompts: list[str]) -> list[Generation]:
+        return self.decoder.generate(
+            prompts, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+            seed=self.seed, enforce_lines=self.decoding != "free", names=self.names,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": self.name, "providers": list(self.decoder.providers),
+            "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
+            "decoding": self.decoding, "config": self.decoder.config,
+        }
+
+    def close(self) -> None:
+        return None
+
+
+class AutoregressivePath:
+    """Query → its catalog context → fan-out text → sub-queries → k distinct nearest items."""
+
+    name = "ar"
+
+    def __init__(
+        self, bundle: Bundle, encoder: Encoder, backend: FanoutBackend, fanout_k: int,
+        context: int = 0,
+    ) -> None:
+        self.bundle, self.encoder, self.backend, self.fanout_k = bundle, encoder, backend, fanout_k
+        self.prompt_builder = PromptBuilder(bundle.index, bundle.items.texts, context)
+        self.grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
+
+    @property
+    def providers(self) -> list[str]:
+        return list(self.backend.describe().get("providers", [self.backend.name]))
+
+    def describe(self) -> dict[str, Any]:
+        return {"fanout_k": self.fanout_k, "context": self.prompt_builder.n,
+                **self.backend.describe()}
+
+    def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
+        clock = StageClock()
+        texts = [q.text for q in batch]
+        queries = self.encoder.encode(texts)  # (B, d)
+        clock.lap("encode")
+        prompts = self.prompt_builder.prompts(texts, queries)
+        clock.lap("search")
+        generations = self.backend.generate(prompts)
+        if len(generations) != len(batch):
+            raise RuntimeError(f"{len(generations)} completions for {len(batch)} queries")
+        clock.lap("decode")
+        parsed = [parse_fanout(g.text, self.fanout_k) for g in generations]
+        subs = [[s for s, ok in zip(p.subqueries, p.valid, strict=True) if ok] for p in parsed]
+        flat = [s for group in subs for s in group]
+        clock.lap("postprocess")
+        owners = np.repeat(queries, [len(group) for group in subs], axis=0)  # (ΣS, d)
+        embedded, _ = self.grounding.probes(flat, owners, self.encoder.encode)  # (ΣS, d)
+        clock.lap("encode")
+        probes = np.split(embedded, np.cumsum([len(group) for group in subs])[:-1])  # (S_i, d)
+        # A malformed fan-out's missing slots come from the query's own dense neighbours.
+        caps: list[int | None] = [None if p.well_formed else 1 for p in parsed]
+        selections, grounded = resolve_items(self.bundle.index, probes, queries,
+                                             [q.k for q in batch], caps)
+        clock.lap("search")
+        answers = []
+        for p, group, found, generation, selection, g in zip(
+                parsed, subs, probes, generations, selections, grounded.tolist(), strict=True):
+            notes = []
+            if not p.well_formed:
+                notes.append(f"malformed fan-out: {len(group)} of {self.fanout_k} sub-queries "
+                             "usable")
+            if selection.filled:
+                notes.append(f"{selection.filled} slots filled from the query's dense neighbours")
+            answers.append(PathAnswer(selection, g, found, notes=notes,
+                                      well_formed=p.well_formed, subqueries=group,
+                                      tokens=generation.n_tokens))
+        clock.lap("postprocess")
+        return stamp(answers, clock)

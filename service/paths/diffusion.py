@@ -1,0 +1,132 @@
+"""The diffusion route: encode → the sampler's context (the query's nearest items or the items
+the fan-out prompt names, as `context_source` in diffusion.json says) → the exported sampler
+(whole solver loop in ONNX Runtime; with `draws` D > 1 over the batch repeated D times, a row
+that repeats an item replaced from the next draw) → k distinct items claimed by the rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from service.artifacts.bundle import Bundle
+from service.errors import BundleError
+from service.fanout.grounding import PromptNeighbourhood
+from service.paths.answer import PathAnswer, PathQuery, StageClock, stamp
+from service.paths.resolution import first_distinct_rows, resolve_items
+from service.runtime.encoder import Encoder, normalize
+from service.runtime.index import neighbourhood
+
+
+class Sampler(Protocol):
+    """What service.runtime.sampler.DiffusionSampler provides (contract 4)."""
+
+    providers: list[str]
+    config: dict
+
+    def sample(self, query_emb: np.ndarray, seed: int | None = None,
+               noise: np.ndarray | None = None,
+               context: np.ndarray | None = None) -> np.ndarray: ...
+
+
+CONTEXT_SOURCES = ("nearest", "prompt")
+
+
+class DiffusionContext:
+    """What the served sampler attends to besides the query: the embeddings (B, C, d) of C
+    catalog items per query, or None when its model has no context. The source is recorded at
+    export (`context_source` in diffusion.json): "nearest", the query's C nearest items (one
+    search), or "prompt", the C items the fan-out prompt names (`PromptNeighbourhood`)."""
+
+    def __init__(self, bundle: Bundle, config: dict[str, Any]) -> None:
+        self.bundle, self.n = bundle, int(config.get("context", 0))
+        self.source = str(config.get("context_source", "nearest"))
+        if self.source not in CONTEXT_SOURCES:
+            raise BundleError(f"unknown diffusion context source {self.source!r}; "
+                              f"use one of {CONTEXT_SOURCES}")
+        self.prompt: PromptNeighbourhood | None = None
+        if self.n and self.source == "prompt":
+            self.prompt = PromptNeighbourhood(bundle.index, bundle.items.texts,
+                                              bundle.items.embeddings, self.n)
+
+    def __call__(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
+        if not self.n:
+            return None
+        if self.prompt is None:
+            return neighbourhood(self.bundle.index, self.bundle.items.embeddings, queries, self.n)
+        rows = self.prompt.rows(texts, queries)  # (B, C)
+        return np.ascontiguousarray(self.bundle.items.embeddings[rows], dtype=np.float32)
+
+
+def repeat_draws(queries: np.ndarray, context: np.ndarray | None,
+                 draws: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The sampler's inputs for `draws` blocks per query: each query (B, d) and its context
+    (B, C, d) repeated in place, (B·D, d) and (B·D, C, d), so a query's draws are adjacent."""
+    repeated = None if context is None else np.repeat(context, draws, axis=0)  # (B·D, C, d)
+    return np.repeat(queries, draws, axis=0), repeated  # (B·D, d)
+
+
+def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | None,
+              context: np.ndarray | None) -> np.ndarray:
+    """The sampler's rows (B, L, d) for queries (B, d). With `draws` D > 1 in its config, D
+    blocks per query come from one run over the batch repeated D times, and each query keeps
+    the L rows whose items are the first distinct ones, draw after draw
+    (`first_distinct_rows`): a row that repeats an item is replaced from the next draw."""
+    draws = int(sampler.config.get("draws", 1))
+    if draws < 1:
+        raise BundleError(f"diffusion.json: draws must be at least 1, got {draws}")
+    if draws == 1:
+        return sampler.sample(queries, seed=seed, context=context)
+    repeated, repeated_context = repeat_draws(queries, context, draws)
+    rows = sampler.sample(repeated, seed=seed, context=repeated_context)
+    b, length = len(queries), rows.shape[1]  # rows (B·D, L, d), each query's draws adjacent
+    if rows.shape[0] != b * draws:
+        raise RuntimeError(f"sampler returned {rows.shape[0]} blocks for {b * draws}")
+    rows = rows.reshape(b, draws * length, rows.shape[2])  # (B, D·L, d), draw after draw
+    return first_distinct_rows(index, rows, length, context)
+
+
+class DiffusionPath:
+    """Query embedding → generated rows (B, L, d) → k distinct nearest items."""
+
+    name = "diffusion"
+
+    def __init__(
+        self, bundle: Bundle, encoder: Encoder, sampler: Sampler, seed: int | None = None
+    ) -> None:
+        self.bundle, self.encoder, self.sampler, self.seed = bundle, encoder, sampler, seed
+        self.context = DiffusionContext(bundle, sampler.config)
+
+    @property
+    def providers(self) -> list[str]:
+        return list(self.sampler.providers)
+
+    def describe(self) -> dict[str, Any]:
+        return {"providers": self.providers, "config": self.sampler.config}
+
+    def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
+        clock = StageClock()
+        queries = self.encoder.encode([q.text for q in batch])  # (B, d)
+        clock.lap("encode")
+        context = self.context([q.text for q in batch], queries)  # (B, C, d) or None
+        if context is not None:
+            clock.lap("search")
+        rows = np.asarray(draw_rows(self.bundle.index, self.sampler, queries, self.seed,
+                                    context), dtype=np.float32)
+        if rows.ndim != 3 or rows.shape[0] != len(batch) or rows.shape[2] != queries.shape[1]:
+            raise RuntimeError(f"sampler returned shape {rows.shape}, expected (B, L, d)")
+        if not np.isfinite(rows).all():
+            raise RuntimeError("sampler returned non-finite rows")
+        rows = normalize(rows)  # (B, L, d) unit rows: inner product = cosine
+        clock.lap("solver")
+        selections, grounded = resolve_items(self.bundle.index, list(rows), queries,
+                                             [q.k for q in batch])
+        clock.lap("search")
+        answers = []
+        for selection, g, probes in zip(selections, grounded.tolist(), rows, strict=True):
+            notes = [f"{selection.filled} slots filled from the query's dense neighbours"]
+            answers.append(PathAnswer(selection, g, probes, notes=notes if selection.filled
+                                      else []))
+        clock.lap("postprocess")
+        return stamp(answers, clock)

@@ -1,0 +1,179 @@
+"""Resolving probes (generated rows or sub-query embeddings) to k distinct catalog items.
+
+`resolve_items` is the one resolution every route, the evaluation harness and the benchmark
+share. Probes claim items round-robin: in each round the probes, most confident first, claim
+their best neighbour not yet taken (with k = number of probes: one item each, the most
+confident keeping its top-1); later rounds give each probe its next-best neighbour until k
+items are claimed. Slots still empty are filled from the query's own dense neighbours and
+reported as such (slot None).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import faiss
+import numpy as np
+
+from service.runtime.index import search
+
+MIN_DEPTH = 16  # neighbours fetched per probe
+
+
+@dataclass
+class Selection:
+    """k distinct catalog rows for one query, in the order they were claimed."""
+
+    rows: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    slots: list[int | None] = field(default_factory=list)  # probe index; None = dense fill
+
+    @property
+    def filled(self) -> int:
+        return sum(slot is None for slot in self.slots)
+
+
+def probe_depth(n_probes: int, k: int, n_items: int) -> int:
+    """Neighbours per probe so that k claims rarely run out: rounds needed plus slack."""
+    rounds = -(-k // max(n_probes, 1))
+    return min(n_items, max(MIN_DEPTH, k + rounds))
+
+
+def claim_round_robin(
+    rows: np.ndarray, scores: np.ndarray, k: int, max_rounds: int | None = None
+) -> Selection:
+    """rows, scores: (P, depth) neighbours of each probe, best first (-1 = none).
+
+    max_rounds caps the items one probe may claim (None = as many as k needs).
+    """
+    picked = Selection()
+    n_probes, depth = rows.shape
+    if n_probes == 0:
+        return picked
+    order = np.argsort(-scores[:, 0], kind="stable")  # most confident probe first
+    cursor = np.zeros(n_probes, dtype=np.int64)
+    taken: set[int] = set()
+    rounds = 0
+    while len(picked.rows) < k and (max_rounds is None or rounds < max_rounds):
+        rounds += 1
+        progressed = False
+        for probe in order:
+            if len(picked.rows) >= k:
+                break
+            j = int(cursor[probe])
+            while j < depth and (rows[probe, j] < 0 or int(rows[probe, j]) in taken):
+                j += 1
+            if j < depth:
+                row = int(rows[probe, j])
+                taken.add(row)
+                picked.rows.append(row)
+                picked.scores.append(float(scores[probe, j]))
+                picked.slots.append(int(probe))
+                progressed = True
+            cursor[probe] = j + 1
+        if not progressed:
+            break
+    return picked
+
+
+def fill_from_dense(
+    picked: Selection, dense_rows: np.ndarray, dense_scores: np.ndarray, k: int
+) -> Selection:
+    """Complete `picked` to k items with the query's own neighbours (rows (D,), best first)."""
+    taken = set(picked.rows)
+    for row, score in zip(dense_rows.tolist(), dense_scores.tolist(), strict=True):
+        if len(picked.rows) >= k:
+            break
+        if row >= 0 and row not in taken:
+            taken.add(row)
+            picked.rows.append(int(row))
+            picked.scores.append(float(score))
+            picked.slots.append(None)
+    return picked
+
+
+def resolve_items(
+    index: faiss.Index,
+    probes: list[np.ndarray],
+    queries: np.ndarray,
+    ks: list[int],
+    max_rounds: list[int | None] | None = None,
+) -> tuple[list[Selection], np.ndarray]:
+    """For each query i: probes[i] (P_i, d) → ks[i] distinct items; queries (Q, d) fill gaps.
+
+    max_rounds[i] caps the claims per probe of query i (e.g. 1: one item per sub-query,
+    every other slot from the query's dense neighbours).
+    Returns the selections and each query's groundedness: the mean over its probes of
+    max(0, cos(probe, nearest item)) (0 when it has no probe).
+    """
+    caps = max_rounds if max_rounds is not None else [None] * len(ks)
+    selections: list[Selection] = [Selection() for _ in ks]
+    grounded = np.zeros(len(ks), dtype=np.float32)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, k in enumerate(ks):
+        groups[k].append(i)
+    for k, members in groups.items():  # one search per distinct k (its depth depends on k)
+        chosen, g = _resolve_same_k(index, [probes[i] for i in members], queries[members], k,
+                                    [caps[i] for i in members])
+        for j, i in enumerate(members):
+            selections[i], grounded[i] = chosen[j], g[j]
+    return selections, grounded
+
+
+def _resolve_same_k(
+    index: faiss.Index, probes: list[np.ndarray], queries: np.ndarray, k: int,
+    caps: list[int | None],
+) -> tuple[list[Selection], np.ndarray]:
+    counts = [len(p) for p in probes]
+    depth = probe_depth(min([c for c in counts if c] or [1]), k, index.ntotal)
+    stacked = np.concatenate([p for p in probes if len(p)] or [np.zeros((0, queries.shape[1]))])
+    if len(stacked):
+        scores, rows = search(index, stacked.astype(np.float32), depth)  # (ΣP, depth)
+    else:
+        scores = np.zeros((0, depth), dtype=np.float32)
+        rows = np.zeros((0, depth), dtype=np.int64)
+    selections: list[Selection] = []
+    grounded = np.zeros(len(probes), dtype=np.float32)
+    start = 0
+    for i, count in enumerate(counts):
+        block_rows, block_scores = rows[start : start + count], scores[start : start + count]
+        start += count
+        selections.append(claim_round_robin(block_rows, block_scores, k, caps[i]))
+        if count:
+            grounded[i] = float(np.clip(block_scores[:, 0], 0.0, 1.0).mean())
+    short = [i for i, s in enumerate(selections) if len(s.rows) < k]
+    if short:
+        dense_scores, dense_rows = search(index, queries[short], min(index.ntotal, 2 * k + depth))
+        for j, i in enumerate(short):
+            fill_from_dense(selections[i], dense_rows[j], dense_scores[j], k)
+    return selections, grounded
+
+
+def first_distinct_rows(index: faiss.Index, rows: np.ndarray, keep: int,
+                        context: np.ndarray | None = None) -> np.ndarray:
+    """(Q, R, d) rows in priority order → (Q, keep, d): per query, the rows whose items are the
+    first `keep` distinct ones; a row whose item an earlier row already has gives way to later
+    rows, and fills in, in order, only when too few distinct items are found.
+
+    A row's item is its nearest of the query's context items (Q, C, d) when given (the student
+    picks among them, and a few dot products per row cost nothing), else its nearest catalog
+    item. With several draws of the sampler concatenated draw after draw, a row of the first
+    draw that collides is replaced by the next draws' rows (the teacher never repeats an item).
+    """
+    q, r, d = rows.shape
+    if context is not None:
+        top = np.argmax(rows @ context.transpose(0, 2, 1), axis=2)  # (Q, R) context position
+    else:
+        _, found = search(index, rows.reshape(q * r, d), 1)  # (Q·R, 1)
+        top = found.reshape(q, r)  # (Q, R): each row's nearest catalog item
+    out = np.empty((q, keep, d), dtype=rows.dtype)
+    for i in range(q):
+        seen: set[int] = set()
+        first: list[int] = []
+        later: list[int] = []
+        for j, item in enumerate(top[i].tolist()):
+            (first if item not in seen and len(first) < keep else later).append(j)
+            seen.add(item)
+        out[i] = rows[i, (first + later)[:keep]]  # (keep, d)
+    return out

@@ -1,0 +1,43 @@
+"""The `single` route: one dense query, the floor every other route is measured against."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from service.artifacts.bundle import Bundle
+from service.paths.answer import PathAnswer, PathQuery, StageClock, stamp
+from service.paths.resolution import Selection
+from service.runtime.encoder import Encoder
+from service.runtime.index import search
+
+
+class SinglePath:
+    """Query embedding → its k nearest items: one dense query, the floor of every route."""
+
+    name = "single"
+
+    def __init__(self, bundle: Bundle, encoder: Encoder) -> None:
+        self.bundle, self.encoder = bundle, encoder
+        self.providers = ["faiss"]
+
+    def describe(self) -> dict[str, Any]:
+        return {"providers": self.providers, "index": type(self.bundle.index).__name__}
+
+    def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
+        clock = StageClock()
+        queries = self.encoder.encode([q.text for q in batch])  # (B, d)
+        clock.lap("encode")
+        scores, rows = search(self.bundle.index, queries, max(q.k for q in batch))  # (B, k)
+        clock.lap("search")
+        answers = []
+        for query, probe, found, score in zip(batch, queries, rows, scores, strict=True):
+            keep = found[: query.k] >= 0
+            selection = Selection(found[: query.k][keep].tolist(),
+                                  score[: query.k][keep].tolist(), [0] * int(keep.sum()))
+            grounded = float(np.clip(score[0], 0.0, 1.0)) if len(score) else 0.0
+            answers.append(PathAnswer(selection, grounded, probe[None]))  # (1, d) probe
+        clock.lap("postprocess")
+        return stamp(answers, clock)

@@ -1,0 +1,88 @@
+"""FAISS index over the catalog's item embeddings: exact inner product by default.
+
+Any FAISS `index_factory` string (e.g. "HNSW32", "IVF1024,PQ16") can be chosen for large
+catalogs; vectors are unit-norm, so inner product is cosine similarity.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+EXACT = "Flat"
+# Exact search switches to its BLAS (sgemm) kernel only past this many probes in one call; the
+# faiss-cpu wheel ships 128000, and below it the per-probe kernel measured 6× slower here
+# (1.3 vs 0.21 ms per probe, 82k × 128-d, k=16, 1 thread). Serving batches hold 10-1000 probes.
+BLAS_THRESHOLD = 16
+# Exact search keeps every vector in memory as float32; past this size ask for a factory.
+MAX_EXACT_ITEMS = 1_000_000
+
+
+def use_blas_kernel() -> None:
+    faiss.cvar.distance_compute_blas_threshold = BLAS_THRESHOLD
+
+
+def build_index(embeddings: np.ndarray, factory: str | None = None) -> faiss.Index:
+    """Build an inner-product index over (N, D) float32 unit vectors."""
+    use_blas_kernel()
+    vectors = np.ascontiguousarray(embeddings, dtype=np.float32)
+    _, dim = vectors.shape
+    index = faiss.index_factory(dim, factory or EXACT, faiss.METRIC_INNER_PRODUCT)
+    if not index.is_trained:
+        index.train(vectors)
+    index.add(vectors)
+    return index
+
+
+def save_index(index: faiss.Index, path: Path) -> None:
+    faiss.write_index(index, str(path))
+
+
+def load_index(path: Path) -> faiss.Index:
+    use_blas_kernel()
+    return faiss.read_index(str(path))
+
+
+def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k by inner product: (scores, rows), both (Q, k); rows are -1 where fewer exist."""
+    vectors = np.ascontiguousarray(queries, dtype=np.float32)
+    if vectors.ndim != 2:
+        raise ValueError(f"queries must be (Q, D), got shape {vectors.shape}")
+    k = min(k, index.ntotal)
+    scores, rows = index.search(vectors, k)
+    return scores, rows.astype(np.int64, copy=False)
+
+
+def neighbour_rows(index: faiss.Index, queries: np.ndarray, n: int) -> np.ndarray:
+    """(Q, n) catalog rows of each query's n nearest items, best first.
+
+    Where the index finds fewer than n (a catalog smaller than n, or an approximate index),
+    the found rows repeat in order, so the shape is always (Q, n): the diffusion model's
+    context (training.stage3_diffusion.denoiser, `context`) has a fixed size.
+    """
+    if len(queries) == 0:
+        return np.zeros((0, n), dtype=np.int64)
+    _, found = search(index, queries, n)  # (Q, ≤ n), -1 where fewer exist
+    if found.shape[1] == n and (found >= 0).all():  # the usual case, no per-query loop
+        return found
+    out = np.empty((len(found), n), dtype=np.int64)
+    for i, row in enumerate(found):
+        valid = row[row >= 0]
+        if len(valid) == 0:
+            raise ValueError(f"the index found no neighbours for query {i}")
+        out[i] = np.resize(valid, n)  # (n,): the found rows, cycled
+    return out
+
+
+def neighbourhood(index: faiss.Index, embeddings: np.ndarray, queries: np.ndarray,
+                  n: int) -> np.ndarray:
+    """(Q, n, d) embeddings of each query's n nearest catalog items, best first."""
+    rows = neighbour_rows(index, queries, n)  # (Q, n)
+    return np.ascontiguousarray(embeddings[rows], dtype=np.float32)
+
+
+def set_threads(n: int) -> None:
+    """Cap FAISS's OpenMP threads (the service shares two cores with ONNX Runtime)."""
+    faiss.omp_set_num_threads(max(1, n))

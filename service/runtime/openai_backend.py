@@ -1,0 +1,128 @@
+"""The AR path's second backend: an OpenAI-compatible `/v1/completions` endpoint over httpx.
+
+One HTTP call per batch (`prompt` is a list; answers come back by `index`), a pooled
+keep-alive client, a timeout per attempt, and retries with exponential backoff on transport
+errors, 429 and 5xx (honouring a short Retry-After). Runs in the AR batcher's worker thread.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from service.errors import UnavailableError
+from service.fanout.format import Generation
+
+RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+MAX_RETRY_AFTER_S = 5.0
+
+
+@dataclass(frozen=True)
+class OpenAIConfig:
+    base_url: str  # e.g. http://127.0.0.1:8001/v1
+    model: str = "folm"
+    api_key: str | None = None
+    timeout_s: float = 10.0
+    retries: int = 2
+    backoff_s: float = 0.2
+    max_connections: int = 8
+    temperature: float = 0.0
+    max_tokens: int = 160
+
+
+class OpenAICompletionBackend:
+    """Fan-out completions from an OpenAI-compatible server."""
+
+    name = "openai"
+
+    def __init__(self, config: OpenAIConfig) -> None:
+        self.config = config
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._client = httpx.Client(
+            base_url=config.base_url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 3.0)),
+            limits=httpx.Limits(
+                max_connections=config.max_connections,
+                max_keepalive_connections=config.max_connections,
+            ),
+        )
+        self._rng = random.Random()
+
+    def describe(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "backend": self.name, "providers": [f"openai:{c.base_url}"], "model": c.model,
+            "temperature": c.temperature, "max_tokens": c.max_tokens,
+            "timeout_s": c.timeout_s, "retries": c.retries,
+        }
+
+    def generate(self, prompts: list[str]) -> list[Generation]:
+        body = {
+            "model": self.config.model,
+            "prompt": list(prompts),
+            "max_tokens": self.config.max_tokens,
+            "temperature": self.config.temperature,
+            "n": 1,
+        }
+        payload = self._post("/completions", body)
+        return [Generation(text, 0) for text in self._texts(payload, len(prompts))]
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        last = "no attempt made"
+        for attempt in range(self.config.retries + 1):
+            delay = self.config.backoff_s * 2**attempt * (0.5 + self._rng.random())
+            try:
+                response = self._client.post(path, json=body)
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code == 200:
+                    return self._json(response)
+                last = f"HTTP {response.status_code}: {response.text[:200]}"
+                if response.status_code not in RETRYABLE_STATUS:
+                    break
+                delay = max(delay, _retry_after(response))
+            if attempt < self.config.retries:
+                time.sleep(delay)
+        raise UnavailableError(f"completion endpoint {self.config.base_url} failed: {last}")
+
+    @staticmethod
+    def _json(response: httpx.Response) -> dict[str, Any]:
+        try:
+            payload = response.json()
+        except ValueError as exc:
+            raise UnavailableError(f"completion endpoint sent invalid JSON: {exc}") from exc
+        if not isinstance(payload, dict):
+            raise UnavailableError("completion endpoint sent a non-object JSON body")
+        return payload
+
+    @staticmethod
+    def _texts(payload: dict[str, Any], n: int) -> list[str]:
+        """Choices by index; a missing or odd choice becomes "" (a malformed fan-out)."""
+        texts = [""] * n
+        choices = payload.get("choices")
+        if not isinstance(choices, list):
+            raise UnavailableError("completion endpoint sent no 'choices' list")
+        for position, choice in enumerate(choices):
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", position)
+            text = choice.get("text")
+            if isinstance(index, int) and 0 <= index < n and isinstance(text, str):
+                texts[index] = text
+        return texts
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return min(float(response.headers.get("Retry-After", 0)), MAX_RETRY_AFTER_S)
+    except ValueError:
+        return 0.0

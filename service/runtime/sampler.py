@@ -1,0 +1,86 @@
+"""The diffusion retriever's runtime: the exported whole-solver ONNX graph, numpy in and out.
+
+`diffusion/sampler.onnx` maps query embeddings (B, d) and standard-normal noise (B, L, d) to
+L generated unit rows per query in one `session.run`; resolving rows to catalog items is
+`service.paths.resolution.distinct_nearest`. A model with a context (`context` = C in
+diffusion.json) also takes the embeddings of C catalog items per query (B, C, d), best first:
+its nearest, or those its fan-out prompt names (`context_source`), as
+`service.paths.diffusion.DiffusionContext` looks them up. Several draws per query (`draws`) are the
+caller's: `service.paths.diffusion.draw_rows`. ONNX Runtime's CUDA provider is
+used when available. `diffusion/step.onnx` (one denoiser evaluation) is not run here: samplers
+with other schedules are composed from it (`training.stage3_diffusion.export.compose_sampler`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.errors import BundleError
+from service.runtime.sessions import open_session
+
+CONFIG_FILE = "diffusion.json"
+SAMPLER_FILE = "sampler.onnx"
+STEP_FILE = "step.onnx"
+CONTEXT_INPUT = "context"
+
+
+def read_config(diffusion_dir: Path) -> dict[str, Any]:
+    path = Path(diffusion_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise BundleError(f"no diffusion model at {diffusion_dir}: {CONFIG_FILE} is missing "
+                          "(run `r4t export diffusion`)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+class DiffusionSampler:
+    """Runs the exported sampler: `sample(query_emb (B, d), seed) -> rows (B, L, d)`."""
+
+    def __init__(self, diffusion_dir: Path, providers: list[str] | None = None,
+                 threads: int = 0) -> None:
+        diffusion_dir = Path(diffusion_dir)
+        self.config: dict[str, Any] = read_config(diffusion_dir)
+        path = diffusion_dir / self.config.get("sampler_file", SAMPLER_FILE)
+        if not path.is_file():
+            raise BundleError(f"{path} is missing")
+        self.session = open_session(path, providers, threads)
+        self.providers: list[str] = self.session.get_providers()
+        self.rows = int(self.config["rows"])
+        self.dim = int(self.config["dim"])
+        self.context = int(self.config.get("context", 0))
+
+    def noise(self, batch: int, seed: int | None = None) -> np.ndarray:
+        """Standard-normal starting noise (B, L, d); the same seed gives the same noise."""
+        rng = np.random.default_rng(seed)
+        return rng.standard_normal((batch, self.rows, self.dim), dtype=np.float32)
+
+    def feeds(self, query_emb: np.ndarray, context: np.ndarray | None) -> dict[str, np.ndarray]:
+        """The validated query and context inputs (the context only when the model has one)."""
+        query = np.ascontiguousarray(query_emb, dtype=np.float32)
+        if query.ndim != 2 or query.shape[1] != self.dim:
+            raise ValueError(f"query_emb must be (B, {self.dim}), got {query.shape}")
+        if not self.context:
+            return {"query": query}
+        expected = (len(query), self.context, self.dim)
+        if context is None or context.shape != expected:
+            got = None if context is None else context.shape
+            raise ValueError(f"this sampler needs context {expected} (see "
+                             f"service.paths.diffusion.DiffusionContext), got {got}")
+        return {"query": query, CONTEXT_INPUT: np.ascontiguousarray(context, dtype=np.float32)}
+
+    def sample(self, query_emb: np.ndarray, seed: int | None = None,
+               noise: np.ndarray | None = None,
+               context: np.ndarray | None = None) -> np.ndarray:
+        """Generated rows (B, L, d), unit-norm, for query embeddings (B, d) and, when the model
+        has one, their context (B, C, d)."""
+        feeds = self.feeds(query_emb, context)
+        batch = len(feeds["query"])
+        if noise is None:
+            noise = self.noise(batch, seed)
+        if batch == 0:
+            return np.zeros((0, self.rows, self.dim), dtype=np.float32)
+        feeds["noise"] = np.ascontiguousarray(noise, dtype=np.float32)
+        return self.session.run(["rows"], feeds)[0]

@@ -1,0 +1,316 @@
+"""The served state: one loaded bundle with its paths, batchers and router, swapped whole
+on reload. A bundle with only its catalog serves the `single` route; the AR route needs stage 1,
+diffusion stage 3. It answers a request by its A/B arm and falls back from diffusion to the AR
+path (or, without one, to `single`) when diffusion is unavailable, fails, would miss the
+deadline, or fails the quality gate (groundedness below the threshold); every fallback is
+counted by reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.api.schemas import Fallback, Item, RetrieveRequest, RetrieveResponse
+from service.artifacts.bundle import Bundle, load_bundle
+from service.errors import (
+    BundleError,
+    DeadlineError,
+    OverloadError,
+    R4TError,
+    UnavailableError,
+)
+from service.fanout.format import item_names
+from service.metrics import Metrics
+from service.paths.answer import PathAnswer, PathQuery
+from service.paths.autoregressive import AutoregressivePath, FanoutBackend, OnnxFanoutBackend
+from service.paths.diffusion import DiffusionPath, Sampler
+from service.paths.single import SinglePath
+from service.runtime.encoder import Encoder
+from service.runtime.index import set_threads
+from service.runtime.openai_backend import OpenAICompletionBackend, OpenAIConfig
+from service.scheduling.batching import Batcher, Completed, describe
+from service.scheduling.routing import ROUTE_ORDER, Router
+from service.settings import Settings
+
+log = logging.getLogger("r4t.retriever")
+
+SAMPLER_FILE = "diffusion/sampler.onnx"
+WARMUP_QUERIES = ("camping gear", "kitchen utensils", "musical instrument", "vehicle", "tree")
+WARMUP_DEADLINE_S = 120.0
+
+RetrievalPath = DiffusionPath | AutoregressivePath | SinglePath
+ComponentFactory = Callable[[Path, list[str] | None, int], Any]
+
+
+def default_sampler(directory: Path, providers: list[str] | None, threads: int) -> Sampler:
+    from service.runtime.sampler import DiffusionSampler  # owned by the stage-3 runtime
+
+    return DiffusionSampler(directory, providers=providers, threads=threads)
+
+
+def default_decoder(directory: Path, providers: list[str] | None, threads: int) -> Any:
+    from service.runtime.decoding import FanoutDecoder  # owned by the stage-1 runtime
+
+    return FanoutDecoder(directory, providers=providers, threads=threads)
+
+
+@dataclass(frozen=True)
+class Loaders:
+    """How the model runtimes are built (tests may pass their own real loaders)."""
+
+    sampler: ComponentFactory = default_sampler
+    decoder: ComponentFactory = default_decoder
+
+
+def _ar_backend(
+    settings: Settings, bundle: Bundle, loaders: Loaders, folder: str = "folm"
+) -> tuple[FanoutBackend, int, int]:
+    """The backend, its k and the number of catalog names its prompts carry."""
+    choice = settings.ar_backend
+    if choice == "onnx" or (choice == "auto" and bundle.has(f"{folder}/model.onnx")):
+        decoder = loaders.decoder(bundle.path / folder, settings.provider_list, settings.threads)
+        decoding = settings.ar_decoding or str(decoder.config.get("decoding", "lines"))
+        names = item_names(bundle.items.texts) if decoding == "catalog" else []
+        backend = OnnxFanoutBackend(
+            decoder, settings.ar_temperature, settings.ar_max_new_tokens, settings.seed,
+            decoding=decoding, catalog_names=names,
+        )
+        context = settings.ar_context
+        if context is None:
+            context = int(decoder.config.get("context", 0))
+        if backend.decoding == "context" and context == 0:
+            raise BundleError("R4T_AR_DECODING=context needs catalog names in the prompt "
+                              "(R4T_AR_CONTEXT > 0)")
+        return backend, int(decoder.config.get("k", settings.fanout_k)), context
+    if settings.openai_base_url:
+        key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
+        config = OpenAIConfig(
+            base_url=settings.openai_base_url, model=settings.openai_model, api_key=key,
+            timeout_s=settings.openai_timeout_s, retries=settings.openai_retries,
+            backoff_s=settings.openai_backoff_s, max_connections=settings.openai_max_connections,
+            temperature=settings.ar_temperature or 0.0, max_tokens=settings.ar_max_new_tokens,
+        )
+        return OpenAICompletionBackend(config), settings.fanout_k, settings.ar_context or 0
+    raise BundleError(f"bundle has no {folder}/model.onnx and R4T_OPENAI_BASE_URL is not set")
+
+
+def ar_path(
+    settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders | None = None,
+    folder: str = "folm",
+) -> AutoregressivePath:
+    """The AR route as `settings` configure it, over the fan-out model in `folder`."""
+    backend, fanout_k, context = _ar_backend(settings, bundle, loaders or Loaders(), folder)
+    return AutoregressivePath(bundle, encoder, backend, fanout_k, context)
+
+
+def load_paths(
+    settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders
+) -> tuple[dict[str, RetrievalPath], dict[str, str]]:
+    """Build every path the bundle and settings allow; say why the others are missing."""
+    paths: dict[str, RetrievalPath] = {"single": SinglePath(bundle, encoder)}
+    problems: dict[str, str] = {}
+    try:
+        if not bundle.has(SAMPLER_FILE):
+            raise BundleError(f"bundle has no {SAMPLER_FILE}")
+        sampler = loaders.sampler(bundle.path / "diffusion", settings.provider_list,
+                                  settings.threads)
+        paths["diffusion"] = DiffusionPath(bundle, encoder, sampler, settings.seed)
+    except Exception as exc:
+        problems["diffusion"] = f"{type(exc).__name__}: {exc}"
+    try:
+        paths["ar"] = ar_path(settings, bundle, encoder, loaders)
+    except Exception as exc:
+        problems["ar"] = f"{type(exc).__name__}: {exc}"
+    return paths, problems
+
+
+class Retriever:
+    """A bundle ready to serve: paths, one batcher per path, the router."""
+
+    def __init__(
+        self, settings: Settings, metrics: Metrics, bundle: Bundle,
+        paths: dict[str, RetrievalPath], problems: dict[str, str],
+    ) -> None:
+        self.settings, self.metrics, self.bundle = settings, metrics, bundle
+        self.paths, self.problems = paths, problems
+        self.batchers: dict[str, Batcher[PathQuery, PathAnswer]] = {}
+        self.router = Router(settings.route_weights, set(paths), settings.seed)
+        self.warm = False
+
+    @classmethod
+    def load(
+        cls, settings: Settings, metrics: Metrics, bundle_dir: Path, loaders: Loaders
+    ) -> Retriever:
+        """Verify and load a bundle and its runtimes (blocking: call it off the event loop)."""
+        set_threads(settings.faiss_threads)
+        bundle = load_bundle(bundle_dir)
+        encoder = Encoder(bundle.encoder_config)
+        paths, problems = load_paths(settings, bundle, encoder, loaders)
+        if not paths:
+            raise BundleError(f"bundle {bundle_dir} can serve no retrieval path: {problems}")
+        return cls(settings, metrics, bundle, paths, problems)
+
+    def start(self) -> None:
+        """Start one batcher per path (needs the running event loop)."""
+        s = self.settings
+        for name, path in self.paths.items():
+            batcher: Batcher[PathQuery, PathAnswer] = Batcher(
+                name, self._timed(path), max_batch_size=s.max_batch_size,
+                max_wait_ms=s.max_wait_ms, queue_size=s.queue_size, metrics=self.metrics,
+            )
+            batcher.start()
+            self.batchers[name] = batcher
+
+    def _timed(self, path: RetrievalPath) -> Callable[[Sequence[PathQuery]], list[PathAnswer]]:
+        def compute(batch: Sequence[PathQuery]) -> list[PathAnswer]:
+            answers = path(batch)
+            if answers:
+                self.metrics.observe_stages(path.name, answers[0].timings_s)
+            return answers
+
+        return compute
+
+    async def warm_up(self, strict: bool) -> None:
+        """Run each path end to end; a failing path is dropped (or, if strict, refused)."""
+        queries = [PathQuery(WARMUP_QUERIES[i % len(WARMUP_QUERIES)], 10)
+                   for i in range(self.settings.warmup_queries)]
+        for name in list(self.paths):
+            deadline = time.monotonic() + WARMUP_DEADLINE_S
+            try:
+                for query in queries[:1]:  # batch of one, then a full warm-up batch
+                    await self.batchers[name].submit(query, deadline)
+                await asyncio.gather(*(self.batchers[name].submit(q, deadline) for q in queries))
+            except Exception as exc:
+                reason = f"warm-up failed: {type(exc).__name__}: {exc}"
+                if strict:
+                    raise BundleError(f"{name} path {reason}") from exc
+                log.error("disabling the %s path: %s", name, reason)
+                self.problems[name] = reason
+                await self.batchers.pop(name).close()
+                dropped = self.paths.pop(name)
+                if isinstance(dropped, AutoregressivePath):
+                    dropped.backend.close()
+        if not self.paths:
+            raise BundleError(f"no retrieval path survived warm-up: {self.problems}")
+        self.router = Router(self.settings.route_weights, set(self.paths), self.settings.seed)
+        self.warm = True
+
+    async def close(self) -> None:
+        for batcher in self.batchers.values():
+            await batcher.close()
+        ar = self.paths.get("ar")
+        if isinstance(ar, AutoregressivePath):
+            ar.backend.close()
+
+    @property
+    def providers(self) -> dict[str, list[str]]:
+        return {name: path.providers for name, path in self.paths.items()}
+
+    @property
+    def routes(self) -> list[str]:
+        """The routes this bundle serves, best first."""
+        return [name for name in ROUTE_ORDER if name in self.paths]
+
+    @property
+    def version(self) -> str:
+        m = self.bundle.manifest
+        return f"{self.bundle.name}@{m.get('updated') or m.get('created', 'unknown')}"
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "bundle": {"name": self.bundle.name, "path": str(self.bundle.path),
+                       "version": self.version, "manifest": self.bundle.manifest},
+            "paths": {name: path.describe() for name, path in self.paths.items()},
+            "unavailable": self.problems,
+            "providers": self.providers,
+            "routing": {"weights": self.router.weights, "sticky_key": "user_id",
+                        "groundedness_threshold": self.settings.groundedness_threshold},
+            "batching": {name: describe(b) for name, b in self.batchers.items()},
+        }
+
+    async def retrieve(self, request: RetrieveRequest, deadline: float) -> RetrieveResponse:
+        """Answer one request by its arm, falling back from diffusion to AR when needed."""
+        started = time.monotonic()
+        assignment = self.router.assign(request.user_id, request.route)
+        query = PathQuery(request.query, request.k)
+        route, reason, timings = assignment.route, None, {}
+        completed: Completed[PathAnswer] | None = None
+        try:
+            if route == "diffusion":
+                completed, reason = await self._try_diffusion(query, deadline)
+                if reason is not None:
+                    self.metrics.fallbacks.labels(reason=reason).inc()
+                    timings["diffusion_attempt"] = time.monotonic() - started
+                    route = "ar" if "ar" in self.batchers else "single"
+            if completed is None:
+                completed = await self._submit(route, query, deadline, reason)
+        except R4TError as exc:  # the HTTP layer labels the failure with the path tried
+            exc.route, exc.arm = route, assignment.arm
+            raise
+        answer = completed.result
+        self.metrics.stage_duration.labels(route=route, stage="queue").observe(completed.queue_s)
+        self.metrics.groundedness.labels(route=route).observe(answer.groundedness)
+        if answer.selection.filled:
+            self.metrics.filled_slots.labels(route=route).inc(answer.selection.filled)
+        timings.update({"queue": completed.queue_s, **answer.timings_s})
+        timings["total"] = time.monotonic() - started
+        return self._response(answer, route, assignment.arm, reason, timings)
+
+    async def _submit(
+        self, route: str, query: PathQuery, deadline: float, fallback: str | None = None
+    ) -> Completed[PathAnswer]:
+        batcher = self.batchers.get(route)
+        if batcher is None:
+            why = self.problems.get(route, "not loaded")
+            before = f"diffusion fallback ({fallback}) impossible: " if fallback else ""
+            raise UnavailableError(f"{before}the {route} path is unavailable: {why}")
+        return await batcher.submit(query, deadline)
+
+    async def _try_diffusion(
+        self, query: PathQuery, deadline: float
+    ) -> tuple[Completed[PathAnswer] | None, str | None]:
+        """The diffusion answer, or None and the reason to fall back."""
+        batcher = self.batchers.get("diffusion")
+        if batcher is None:
+            return None, "unavailable"
+        if deadline - time.monotonic() < batcher.expected_wait_s():
+            return None, "deadline"
+        try:
+            completed = await batcher.submit(query, deadline)
+        except (OverloadError, DeadlineError):
+            raise
+        except Exception as exc:
+            log.warning("diffusion path failed, falling back to AR: %s: %s",
+                        type(exc).__name__, exc)
+            return None, "error"
+        if completed.result.groundedness < self.settings.groundedness_threshold:
+            return None, "quality"
+        return completed, None
+
+    def _response(
+        self, answer: PathAnswer, route: str, arm: str, reason: str | None,
+        timings: dict[str, float],
+    ) -> RetrieveResponse:
+        items = self.bundle.items
+        selection = answer.selection
+        return RetrieveResponse(
+            items=[
+                Item(id=items.ids[row], text=items.texts[row], score=round(score, 6), slot=slot)
+                for row, score, slot in zip(
+                    selection.rows, selection.scores, selection.slots, strict=True
+                )
+            ],
+            route=route,  # type: ignore[arg-type]
+            arm=arm,
+            fallback=Fallback(used=reason is not None, reason=reason),
+            bundle=self.bundle.name,
+            groundedness=round(answer.groundedness, 6),
+            notes=answer.notes,
+            timings_ms={stage: round(s * 1000.0, 3) for stage, s in timings.items()},
+        )

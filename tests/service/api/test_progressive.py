@@ -1,0 +1,81 @@
+"""A bundle still being built: the `single` route from the catalog alone, and a watched bundle
+switching routes by itself, with no failed request, as a stage lands."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.service.api.test_app import assert_k_unique
+from tests.service.conftest import add_diffusion_stage, live_server
+
+
+@pytest.fixture
+def catalog_only(small_bundle_dir: Path, tmp_path: Path) -> Path:
+    """What `r4t bundle` has written after its first stage: catalog, index, benchmark."""
+    target = tmp_path / "building"
+    shutil.copytree(small_bundle_dir, target)
+    return target
+
+
+def test_a_catalog_alone_serves_the_single_route(settings_for, catalog_only):
+    settings = settings_for(bundle=catalog_only, openai_base_url=None)
+    with live_server(settings) as live, live.client() as client:
+        ready = client.get("/readyz").json()
+        assert ready["routes"] == ["single"]
+        body = client.post("/v1/retrieve", json={"query": "fish", "k": 7}).json()
+        assert_k_unique(body, 7)
+        assert body["route"] == "single" and body["fallback"]["used"] is False
+        assert {item["slot"] for item in body["items"]} == {0}  # one probe: the query
+        scores = [item["score"] for item in body["items"]]
+        assert scores == sorted(scores, reverse=True)  # nearest first
+        forced = client.post("/v1/retrieve", json={"query": "fish", "route": "diffusion"})
+        assert forced.json()["route"] == "single"  # the last resort of a diffusion request
+        assert forced.json()["fallback"] == {"used": True, "reason": "unavailable"}
+        missing = client.post("/v1/retrieve", json={"query": "fish", "route": "ar"})
+        assert missing.status_code == 503 and "ar path is unavailable" in missing.text
+
+
+def test_a_watched_bundle_switches_to_diffusion_when_its_stage_lands(settings_for, catalog_only):
+    settings = settings_for(bundle=catalog_only, openai_base_url=None, watch_s=0.05,
+                            routes="diffusion=1")
+    statuses: list[int] = []
+    routes: list[str] = []
+    stop = threading.Event()
+
+    def hammer(url: str) -> None:
+        with httpx.Client(base_url=url, timeout=30.0) as client:
+            while not stop.is_set():
+                response = client.post("/v1/retrieve", json={"query": "tree", "k": 5})
+                statuses.append(response.status_code)
+                if response.status_code == 200:
+                    routes.append(response.json()["route"])
+
+    with live_server(settings) as live, live.client() as client:
+        assert client.get("/readyz").json()["routes"] == ["single"]
+        worker = threading.Thread(target=hammer, args=(live.url,))
+        worker.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not routes:  # answered from the catalog alone first
+                assert time.monotonic() < deadline and set(statuses) <= {200}
+                time.sleep(0.01)
+            add_diffusion_stage(catalog_only)  # the build commits stage 3
+            while "diffusion" not in client.get("/readyz").json()["routes"]:
+                assert time.monotonic() < deadline, client.get("/v1/info").json()["reload"]
+                time.sleep(0.05)
+            served = len(routes)
+            while len(routes) < served + 5:  # a few answers after the swap
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            stop.set()
+            worker.join(timeout=30)
+        assert set(statuses) == {200}  # nothing failed while the bundle was swapped
+        assert routes[0] == "single" and routes[-1] == "diffusion"
+        assert client.get("/v1/info").json()["reload"]["state"] == "succeeded"

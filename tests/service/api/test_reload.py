@@ -1,0 +1,97 @@
+"""POST /admin/reload: bearer auth, atomic swap, and refusal of a corrupted bundle."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from service.artifacts.bundle import read_manifest, write_manifest
+from tests.service.api.test_app import assert_k_unique, metric_samples
+from tests.service.conftest import ADMIN_TOKEN, live_server
+
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def reload_server(settings_for):
+    with live_server(settings_for()) as live:
+        yield live
+
+
+@pytest.fixture
+def corrupted_bundle(serving_bundle: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "corrupted"
+    shutil.copytree(serving_bundle, target)
+    with (target / "embeddings.npy").open("r+b") as handle:  # flip bytes inside the data
+        handle.seek(-64, 2)
+        handle.write(b"\x00" * 64)
+    return target
+
+
+@pytest.fixture
+def second_bundle(serving_bundle: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "second"
+    shutil.copytree(serving_bundle, target)
+    manifest = read_manifest(target)
+    manifest["name"] = "second"
+    write_manifest(target, manifest)
+    return target
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({}, 401),
+    ({"Authorization": "Basic abc"}, 401),
+    ({"Authorization": "Bearer wrong"}, 403),
+])
+def test_reload_needs_the_admin_token(reload_server, headers, status):
+    with reload_server.client() as client:
+        assert client.post("/admin/reload", headers=headers).status_code == status
+        assert client.get("/admin/reload", headers=headers).status_code == status
+
+
+def test_admin_api_is_off_without_a_token(settings_for):
+    with live_server(settings_for(admin_token=None)) as live, live.client() as client:
+        response = client.post("/admin/reload", headers=AUTH)
+        assert response.status_code == 403
+        assert "disabled" in response.json()["error"]["message"]
+
+
+def test_corrupted_bundle_is_refused_and_the_old_one_keeps_serving(
+    reload_server, corrupted_bundle, serving_bundle
+):
+    with reload_server.client() as client:
+        response = client.post("/admin/reload", headers=AUTH,
+                               json={"bundle": str(corrupted_bundle), "wait": True})
+        assert response.status_code == 422
+        error = response.json()["error"]
+        assert error["type"] == "BundleError" and "sha256" in error["message"]
+        status = client.get("/admin/reload", headers=AUTH).json()
+        assert status["state"] == "failed" and "sha256" in status["error"]
+        served = client.get("/v1/info").json()["served"]["bundle"]["path"]
+        assert served == str(serving_bundle)
+        answer = client.post("/v1/retrieve", json={"query": "dog"})
+        assert answer.status_code == 200 and answer.json()["bundle"] == "svc"
+        reloads = metric_samples(client.get("/metrics").text, "r4t_reloads_total")
+        assert any(s.labels["outcome"] == "failed" and s.value >= 1 for s in reloads)
+
+
+def test_background_reload_swaps_while_serving(reload_server, second_bundle):
+    with reload_server.client() as client:
+        response = client.post("/admin/reload", headers=AUTH, json={"bundle": str(second_bundle)})
+        assert response.status_code == 202 and response.json()["state"] == "loading"
+        codes = []
+        for _ in range(400):  # keep asking while the new bundle loads and warms up
+            codes.append(client.post("/v1/retrieve", json={"query": "cat"}).status_code)
+            state = client.get("/admin/reload", headers=AUTH).json()["state"]
+            if state != "loading":
+                break
+            time.sleep(0.02)
+        assert state == "succeeded"
+        assert set(codes) == {200}
+        assert client.get("/v1/info").json()["served"]["bundle"]["path"] == str(second_bundle)
+        answer = client.post("/v1/retrieve", json={"query": "cat"}).json()
+        assert answer["bundle"] == "second"
+        assert_k_unique(answer, 10)

@@ -1,0 +1,93 @@
+"""Resolving probes to k distinct items (`resolve_items`), on real FAISS indexes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.artifacts.bundle import load_bundle
+from service.paths.resolution import claim_round_robin, first_distinct_rows, resolve_items
+from service.runtime.encoder import normalize
+from service.runtime.index import build_index
+
+
+def random_index(n: int = 500, d: int = 16, seed: int = 0):
+    items = normalize(np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32))
+    return build_index(items), items
+
+
+def test_colliding_probes_resolve_to_distinct_items(small_bundle_dir):
+    bundle = load_bundle(small_bundle_dir)
+    item = bundle.items.embeddings[3]
+    probes = np.tile(item, (10, 1))  # ten identical probes
+    selections, grounded = resolve_items(bundle.index, [probes], item[None], [10])
+    picked = selections[0]
+    assert len(set(picked.rows)) == 10 and picked.filled == 0
+    assert picked.rows[0] == 3 and picked.scores[0] > 0.999  # the first claim keeps its top-1
+    assert grounded[0] > 0.999
+
+
+def test_distinct_probes_keep_their_own_nearest_item(small_bundle_dir):
+    bundle = load_bundle(small_bundle_dir)
+    picks = np.array([1, 50, 100, 150, 200])
+    probes = bundle.items.embeddings[picks]
+    selections, _ = resolve_items(bundle.index, [probes], probes[:1], [5])
+    assert sorted(selections[0].rows) == sorted(picks.tolist())
+    assert {row: slot for row, slot in zip(selections[0].rows, selections[0].slots,
+                                           strict=True)} == {int(p): i for i, p in enumerate(picks)}
+
+
+def test_a_collision_gives_the_less_confident_probe_its_next_best_item():
+    index, items = random_index()
+    probes = np.stack([items[7], normalize(items[7] + 0.2 * items[8])])  # both nearest item 7
+    selections, _ = resolve_items(index, [probes], probes[:1], [2])
+    assert selections[0].rows[0] == 7 and selections[0].slots == [0, 1]
+    assert selections[0].rows[1] != 7
+
+
+def test_more_items_than_probes_round_robins_without_repeats():
+    index, items = random_index()
+    selections, grounded = resolve_items(index, [items[:3]], items[:1], [25])
+    picked = selections[0]
+    assert len(picked.rows) == 25 and len(set(picked.rows)) == 25
+    assert set(picked.slots) == {0, 1, 2} and picked.filled == 0
+    assert grounded[0] > 0.99  # the probes are items
+
+
+def test_missing_probes_are_filled_from_the_query_and_counted():
+    index, items = random_index()
+    selections, grounded = resolve_items(index, [items[:2], items[:0]], items[5:7], [10, 10],
+                                         [1, 1])
+    with_two, with_none = selections
+    assert with_two.slots[:2] == [0, 1] and with_two.filled == 8
+    assert with_none.filled == 10 and with_none.rows[0] == 6  # the query itself comes first
+    assert grounded[1] == 0.0
+    for s in selections:
+        assert len(set(s.rows)) == 10
+
+
+def test_queries_of_one_batch_may_ask_for_different_k():
+    index, items = random_index()
+    selections, _ = resolve_items(index, [items[:4], items[10:14]], items[[0, 10]], [3, 7])
+    assert [len(s.rows) for s in selections] == [3, 7]
+    assert set(selections[0].rows) <= set(range(4)) and selections[1].rows[:4] != []
+
+
+def test_claims_go_to_the_most_confident_probe_first():
+    rows = np.array([[5, 6], [5, 7]])
+    scores = np.array([[0.5, 0.4], [0.9, 0.1]], dtype=np.float32)
+    picked = claim_round_robin(rows, scores, 2)
+    assert picked.rows == [5, 6] and picked.slots == [1, 0]
+
+
+def test_first_distinct_rows_replace_a_repeated_item_from_later_rows():
+    catalog = np.eye(6, dtype=np.float32)
+    index = build_index(catalog)
+    near = lambda i: 0.9 * catalog[i] + 0.1 * catalog[5]  # noqa: E731 - a row near item i
+    rows = np.stack([[near(0), near(1), near(1), near(2), near(3), near(2)],
+                     [near(4), near(4), near(4), near(4), near(0), near(0)]])  # (2, 6, 6)
+    kept = first_distinct_rows(index, rows, 3)  # (2, 3, 6)
+    assert np.array_equal(kept[0], rows[0, [0, 1, 3]])  # the second "1" gives way to a "2"
+    # only two distinct items: the first repeat fills the last slot
+    assert np.array_equal(kept[1], rows[1, [0, 4, 1]])
+    # the items as a context: the same choice without a catalog search
+    assert np.array_equal(first_distinct_rows(index, rows, 3, np.stack([catalog, catalog])), kept)

@@ -1,0 +1,228 @@
+"""The batcher on its own, with a plain compute function that records what it was given.
+
+Tests that need work to be queued behind a batch in compute hold that batch with an event
+(`Recorder(gated=True)`, released by the test) and wait for the queue depth they need with a
+bounded deadline, so their order never depends on how fast the machine is."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from service.errors import DeadlineError, OverloadError, UnavailableError
+from service.metrics import Metrics
+from service.scheduling.batching import Batcher
+
+WAIT_S = 10.0  # bound on every wait below; reached only when something is broken
+
+
+class Recorder:
+    """compute(payloads) → payloads doubled; remembers each batch and the thread it ran on.
+
+    gated=True: every batch, once inside compute (`entered` is set), waits for `release`.
+    """
+
+    def __init__(self, fail: bool = False, gated: bool = False) -> None:
+        self.batches: list[list[int]] = []
+        self.threads: set[int] = set()
+        self.fail = fail
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        if not gated:
+            self.release.set()
+
+    def __call__(self, payloads: Sequence[int]) -> list[int]:
+        self.batches.append(list(payloads))
+        self.threads.add(threading.get_ident())
+        self.entered.set()
+        if not self.release.wait(WAIT_S):
+            raise TimeoutError("the test never released the compute")
+        if self.fail:
+            raise RuntimeError("model exploded")
+        return [2 * p for p in payloads]
+
+
+async def wait_for(event: threading.Event) -> None:
+    """Wait (off the event loop) for an event set in the batcher's worker thread."""
+    assert await asyncio.to_thread(event.wait, WAIT_S), f"event not set within {WAIT_S} s"
+
+
+async def wait_until(predicate: Callable[[], bool]) -> None:
+    """Poll a condition that has no event of its own (e.g. the queue depth), bounded."""
+    stop = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < stop, f"condition not met within {WAIT_S} s"
+        await asyncio.sleep(0.001)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def make(recorder: Recorder, **kwargs) -> Batcher[int, int]:
+    options = {"max_batch_size": 4, "max_wait_ms": 50.0, "queue_size": 64, "metrics": Metrics()}
+    return Batcher("test", recorder, **{**options, **kwargs})
+
+
+def skipped(batcher: Batcher, reason: str) -> float:
+    value = batcher._metrics.registry.get_sample_value(
+        "r4t_skipped_requests_total", {"route": "test", "reason": reason})
+    return value or 0.0
+
+
+def far() -> float:
+    return time.monotonic() + 30.0
+
+
+def test_batches_close_at_max_size_and_answers_keep_their_order():
+    recorder = Recorder()
+
+    async def scenario():
+        batcher = make(recorder)
+        batcher.start()
+        done = await asyncio.gather(*(batcher.submit(i, far()) for i in range(10)))
+        await batcher.close()
+        return done
+
+    done = run(scenario())
+    assert [c.result for c in done] == [2 * i for i in range(10)]
+    assert [len(b) for b in recorder.batches] == [4, 4, 2]
+    assert sorted(p for b in recorder.batches for p in b) == list(range(10))
+    assert [c.batch_size for c in done] == [4] * 8 + [2] * 2
+    assert threading.get_ident() not in recorder.threads  # computed off the event loop
+
+
+def test_a_lone_request_is_served_after_max_wait():
+    recorder = Recorder()
+
+    async def scenario():
+        batcher = make(recorder, max_batch_size=100, max_wait_ms=20.0)
+        batcher.start()
+        answer = await batcher.submit(7, far())
+        await batcher.close()
+        return answer
+
+    answer = run(scenario())
+    assert answer.result == 14 and answer.batch_size == 1
+    assert answer.queue_s >= 0.019  # a lower bound: the batch waited out its window
+
+
+def test_full_queue_raises_overload_immediately():
+    recorder = Recorder(gated=True)
+
+    async def scenario():
+        batcher = make(recorder, max_batch_size=1, queue_size=2, max_wait_ms=0.0)
+        batcher.start()
+        try:
+            first = asyncio.ensure_future(batcher.submit(0, far()))
+            await wait_for(recorder.entered)  # 0 is computing; the queue is empty again
+            assert batcher.depth == 0
+            queued = [asyncio.ensure_future(batcher.submit(i, far())) for i in (1, 2)]
+            await wait_until(lambda: batcher.depth == 2)
+            with pytest.raises(OverloadError, match="queue is full"):
+                await batcher.submit(3, far())
+            assert batcher.depth == 2 and not first.done()  # refused while 0 is still held
+        finally:
+            recorder.release.set()
+        results = await asyncio.gather(first, *queued)
+        await batcher.close()
+        return [r.result for r in results]
+
+    assert run(scenario()) == [0, 2, 4]
+    assert recorder.batches == [[0], [1], [2]]
+
+
+def test_cancelled_and_expired_requests_are_skipped_before_compute():
+    recorder = Recorder(gated=True)
+
+    async def scenario():
+        batcher = make(recorder, max_batch_size=1, max_wait_ms=0.0)
+        batcher.start()
+        try:
+            busy = asyncio.ensure_future(batcher.submit(0, far()))
+            await wait_for(recorder.entered)
+            gone = asyncio.ensure_future(batcher.submit(1, far()))
+            late = asyncio.ensure_future(batcher.submit(2, time.monotonic() + 0.1))
+            kept = asyncio.ensure_future(batcher.submit(3, far()))
+            await wait_until(lambda: batcher.depth == 3)
+            gone.cancel()  # the caller went away
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            with pytest.raises(DeadlineError):  # its deadline passes while 0 is held
+                await late
+            assert batcher.depth == 3 and not busy.done()
+        finally:
+            recorder.release.set()
+        results = await asyncio.gather(busy, kept)
+        await batcher.close()
+        return [r.result for r in results], batcher
+
+    results, batcher = run(scenario())
+    assert results == [0, 6]
+    assert recorder.batches == [[0], [3]]
+    assert skipped(batcher, "cancelled") + skipped(batcher, "deadline") == 2
+
+
+def test_compute_errors_reach_every_caller_of_the_batch():
+    async def scenario():
+        batcher = make(Recorder(fail=True))
+        batcher.start()
+        outcomes = await asyncio.gather(*(batcher.submit(i, far()) for i in range(3)),
+                                        return_exceptions=True)
+        await batcher.close()
+        return outcomes
+
+    outcomes = run(scenario())
+    assert len(outcomes) == 3
+    assert all(isinstance(o, RuntimeError) and str(o) == "model exploded" for o in outcomes)
+
+
+def test_closed_batcher_refuses_new_work_and_finishes_queued_work():
+    recorder = Recorder(gated=True)
+
+    async def scenario():
+        batcher = make(recorder, max_batch_size=1, max_wait_ms=0.0)
+        batcher.start()
+        try:
+            pending = [asyncio.ensure_future(batcher.submit(i, far())) for i in range(3)]
+            await wait_for(recorder.entered)
+            await wait_until(lambda: batcher.depth == 2)  # 0 held, 1 and 2 queued
+            closing = asyncio.ensure_future(batcher.close())
+            await asyncio.sleep(0)  # one loop turn, not a wait: close() marks it closed first
+            with pytest.raises(UnavailableError, match="shutting down"):
+                await batcher.submit(9, far())
+            assert not closing.done() and batcher.depth == 2  # the queued work is kept
+        finally:
+            recorder.release.set()
+        await closing
+        return [p.result().result for p in pending]
+
+    assert run(scenario()) == [0, 2, 4]
+    assert recorder.batches == [[0], [1], [2]]
+
+
+def test_close_answers_the_batch_in_compute_at_once(monkeypatch):
+    """A batch still computing when the grace period ends is failed, not left to its deadline."""
+    monkeypatch.setattr("service.scheduling.batching.CLOSE_GRACE_S", 0.2)
+    recorder = Recorder(gated=True)  # never released before close: compute outlives the grace
+
+    async def scenario():
+        batcher = make(recorder, max_wait_ms=0.0)
+        batcher.start()
+        try:
+            pending = asyncio.ensure_future(batcher.submit(1, time.monotonic() + 20.0))
+            await wait_for(recorder.entered)  # the job is now inside compute
+            began = time.monotonic()
+            await batcher.close()
+            with pytest.raises(UnavailableError, match="closed"):
+                await pending
+            return time.monotonic() - began
+        finally:
+            recorder.release.set()  # let the worker thread finish
+
+    elapsed = run(scenario())
+    assert 0.2 <= elapsed < 5.0  # the grace period is kept, and well before the 20 s deadline

@@ -1,0 +1,82 @@
+"""Diffusion → AR fallback: a broken sampler and the groundedness quality gate."""
+
+from __future__ import annotations
+
+from tests.service.api.test_app import assert_k_unique, metric_samples
+from tests.service.conftest import live_server
+
+
+def fallback_count(client, reason: str) -> float:
+    samples = metric_samples(client.get("/metrics").text, "r4t_fallbacks_total")
+    return sum(s.value for s in samples if s.labels["reason"] == reason)
+
+
+def test_broken_sampler_is_answered_by_ar(settings_for, broken_bundle):
+    with live_server(settings_for(bundle=broken_bundle)) as live, live.client() as client:
+        assert client.get("/readyz").json()["routes"] == ["ar", "single"]
+        info = client.get("/v1/info").json()["served"]
+        assert "warm-up failed" in info["unavailable"]["diffusion"]
+        before = fallback_count(client, "unavailable")
+        for route in ("diffusion", "auto"):
+            response = client.post("/v1/retrieve", json={"query": "fish", "route": route})
+            assert response.status_code == 200
+            body = response.json()
+            assert_k_unique(body, 10)
+            assert body["route"] == "ar"
+            if route == "diffusion":
+                assert body["fallback"] == {"used": True, "reason": "unavailable"}
+        assert fallback_count(client, "unavailable") == before + 1
+
+
+def test_sampler_errors_at_run_time_fall_back_per_batch(settings_for, fragile_bundle):
+    settings = settings_for(bundle=fragile_bundle, max_wait_ms=200.0, warmup_queries=2)
+    with live_server(settings) as live, live.client() as client:
+        # warm-up (batches of 1 and 2) passed
+        assert client.get("/readyz").json()["routes"] == ["diffusion", "ar", "single"]
+        queries = [{"query": q, "route": "diffusion"} for q in ("oak", "elm", "ash")]
+        response = client.post("/v1/retrieve:batch", json={"queries": queries})
+        assert response.status_code == 200
+        for body in response.json()["results"]:  # one batch of 3: the sampler failed
+            assert body["route"] == "ar"
+            assert body["fallback"] == {"used": True, "reason": "error"}
+            assert_k_unique(body, 10)
+        assert fallback_count(client, "error") == 3
+        single = client.post("/v1/retrieve", json={"query": "oak", "route": "diffusion"}).json()
+        assert single["route"] == "diffusion" and not single["fallback"]["used"]
+
+
+def test_quality_gate_sends_ungrounded_answers_to_ar(settings_for):
+    # The tiny export's rows are not catalog items: their mean cos to their nearest items is
+    # far below 0.999 (test_app checks it lies in [0, 1]).
+    settings = settings_for(groundedness_threshold=0.999)
+    with live_server(settings) as live, live.client() as client:
+        response = client.post("/v1/retrieve", json={"query": "bird", "route": "diffusion"})
+        body = response.json()
+        assert response.status_code == 200
+        assert body["route"] == "ar" and body["fallback"] == {"used": True, "reason": "quality"}
+        assert_k_unique(body, 10)
+        assert fallback_count(client, "quality") == 1
+        assert "diffusion_attempt" in body["timings_ms"]
+
+
+def test_model_paths_down_leaves_the_single_route_and_a_503_not_a_500(settings_for,
+                                                                      broken_bundle):
+    """Both model paths fail their warm-up (a broken sampler, an unreachable endpoint): the
+    service stays up on the `single` route, and a request forced onto AR gets a 503."""
+    settings = settings_for(bundle=broken_bundle, openai_base_url="http://127.0.0.1:9/v1",
+                            openai_retries=0, openai_timeout_s=1.0)
+    with live_server(settings) as live, live.client() as client:
+        assert client.get("/readyz").json()["routes"] == ["single"]
+        unavailable = client.get("/v1/info").json()["served"]["unavailable"]
+        assert "warm-up failed" in unavailable["diffusion"]
+        assert "ConnectError" in unavailable["ar"]
+        auto = client.post("/v1/retrieve", json={"query": "fish"}).json()
+        assert (auto["route"], auto["arm"]) == ("single", "single")  # the best route loaded
+        assert_k_unique(auto, 10)
+        forced = client.post("/v1/retrieve", json={"query": "fish", "route": "diffusion"})
+        assert forced.json()["route"] == "single"
+        assert forced.json()["fallback"] == {"used": True, "reason": "unavailable"}
+        response = client.post("/v1/retrieve", json={"query": "fish", "route": "ar"})
+        assert response.status_code == 503
+        error = response.json()["error"]
+        assert error["type"] == "UnavailableError" and "ar path is unavailable" in error["message"]

@@ -1,0 +1,126 @@
+"""Overload → fast 429 with Retry-After; deadlines → 504; clients that left are skipped.
+
+The AR path is kept busy by holding the stand-in completion server's answers
+(`holding_completions`) until the test has seen, in the service's metrics, what it waits for;
+no test orders its steps by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.service.api.test_app import metric_samples
+from tests.service.conftest import WAIT_S, holding_completions, live_server, wait_until
+
+LONG_DEADLINE_MS = 1000.0 * WAIT_S  # requests held on purpose must not reach their deadline
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels`."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    return sum(s.value for s in metric_samples(text, name)
+               if all(s.labels.get(key) == value for key, value in labels.items()))
+
+
+def overloaded(url: str) -> float:
+    return metric(url, "r4t_rejected_requests_total", reason="OverloadError")
+
+
+async def burst(url: str, n: int, body: dict) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as client:
+        return await asyncio.gather(*(client.post("/v1/retrieve", json=body) for _ in range(n)))
+
+
+def test_full_queue_answers_429_fast_and_recovers(settings_for, completion_server):
+    settings = settings_for(max_batch_size=1, queue_size=2, max_batch_queries=1,
+                            retry_after_s=2, request_timeout_ms=LONG_DEADLINE_MS)
+    with live_server(settings) as live, ThreadPoolExecutor(1) as pool, \
+            holding_completions(completion_server) as held:
+        sent = pool.submit(asyncio.run, burst(live.url, 12, {"query": "boat", "route": "ar"}))
+        # one request held in compute, the queue full behind it, every other one refused
+        wait_until(lambda: overloaded(live.url)
+                   + metric(live.url, "r4t_queue_depth", route="ar") + held.held == 12,
+                   "12 requests held, queued or refused")
+        # the queue may have filled before the batcher took the first request off it
+        assert held.held == 1 and metric(live.url, "r4t_queue_depth", route="ar") in (1, 2)
+        refused_while_held = overloaded(live.url)  # answered before the batch could finish
+        held.release()
+        responses = sent.result(timeout=WAIT_S)
+        codes = [r.status_code for r in responses]
+        refused = [r for r in responses if r.status_code == 429]
+        assert len(refused) == refused_while_held and codes.count(200) == 12 - len(refused)
+        assert 2 <= codes.count(200) <= 3, codes  # the held one and the queue's two at most
+        assert all(r.headers["Retry-After"] == "2" for r in refused)
+        assert refused[0].json()["error"]["type"] == "OverloadError"
+        with live.client() as client:
+            assert client.post("/v1/retrieve", json={"query": "boat"}).status_code == 200
+        assert overloaded(live.url) == len(refused)
+
+
+def test_deadline_passed_is_504(settings_for, completion_server):
+    settings = settings_for(request_timeout_ms=150, routes="ar=1")
+    with live_server(settings) as live, live.client() as client, \
+            holding_completions(completion_server):
+        # route auto → the ar arm, whose fan-out is held past the deadline
+        response = client.post("/v1/retrieve", json={"query": "boat"})
+        assert response.status_code == 504
+        assert response.json()["error"]["type"] == "DeadlineError"
+        durations = metric_samples(client.get("/metrics").text,
+                                   "r4t_request_duration_seconds_count")
+    # the failure is labelled with the path it was waiting on, not the requested "auto"
+    assert any(s.labels == {"route": "ar", "arm": "ar", "status": "504"} for s in durations)
+
+
+def test_diffusion_that_would_miss_the_deadline_falls_back(settings_for):
+    # a batch window longer than the whole deadline: diffusion cannot make it
+    settings = settings_for(request_timeout_ms=30, max_wait_ms=60)
+    with live_server(settings) as live, live.client() as client:
+        client.post("/v1/retrieve", json={"query": "boat", "route": "diffusion"})
+        samples = metric_samples(client.get("/metrics").text, "r4t_fallbacks_total")
+        assert any(s.labels["reason"] == "deadline" and s.value >= 1 for s in samples)
+
+
+def test_requests_of_clients_that_left_are_skipped(settings_for, completion_server):
+    settings = settings_for(max_batch_size=1, request_timeout_ms=LONG_DEADLINE_MS)
+    with live_server(settings) as live, ThreadPoolExecutor(1) as pool, \
+            holding_completions(completion_server) as held:
+        first = pool.submit(httpx.post, f"{live.url}/v1/retrieve",
+                            json={"query": "harp", "route": "ar"}, timeout=WAIT_S)
+        wait_until(lambda: held.held == 1, "harp's fan-out held in compute")
+        with pytest.raises(httpx.ReadTimeout):  # queued behind the held batch: no answer yet
+            httpx.post(f"{live.url}/v1/retrieve", json={"query": "gone away", "route": "ar"},
+                       timeout=0.2)
+        wait_until(lambda: metric(live.url, "r4t_rejected_requests_total",
+                                  reason="ClientGone") == 1, "the service saw the client leave")
+        assert metric(live.url, "r4t_queue_depth", route="ar") == 1  # still queued
+        held.release()
+        assert first.result(timeout=WAIT_S).status_code == 200
+        wait_until(lambda: metric(live.url, "r4t_skipped_requests_total", route="ar",
+                                  reason="cancelled") == 1, "the batcher skipped it")
+        text = httpx.get(f"{live.url}/metrics").text
+    skipped = metric_samples(text, "r4t_skipped_requests_total")
+    assert [s.value for s in skipped if s.labels["route"] == "ar"] == [1]  # nothing else
+    assert not any("gone away" in prompt for prompt in completion_server.state.prompts)
+    assert any("harp" in prompt for prompt in completion_server.state.prompts)
+
+
+def test_admission_gate_sheds_load_before_parsing(settings_for, completion_server):
+    settings = settings_for(max_in_flight=2, retry_after_s=3,
+                            request_timeout_ms=LONG_DEADLINE_MS)
+    with live_server(settings) as live, ThreadPoolExecutor(1) as pool, \
+            holding_completions(completion_server) as held:
+        sent = pool.submit(asyncio.run, burst(live.url, 8, {"query": "boat", "route": "ar"}))
+        wait_until(lambda: overloaded(live.url) >= 6, "all but the 2 admitted refused")
+        with live.client() as client:  # ops endpoints are never gated
+            assert client.get("/healthz").status_code == 200
+        held.release()
+        responses = sent.result(timeout=WAIT_S)
+        codes = [r.status_code for r in responses]
+        assert codes.count(200) == 2 and codes.count(429) == 6, codes  # none left while held
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.headers["Retry-After"] == "3"
+        assert "in flight" in refused.json()["error"]["message"]

@@ -1,0 +1,213 @@
+"""`build_bundle`: one staleness rule for every stage, its plan, build.json, and the staging
+helper. The whole tiny bundle (every stage's `tiny` preset) is built once per module."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from service.artifacts.bundle import (
+    BUILD_STATUS,
+    MANIFEST,
+    new_manifest,
+    read_build_status,
+    read_manifest,
+    stage,
+    stage_hash,
+    stage_status,
+    verify_bundle,
+    write_json_atomic,
+    write_manifest,
+)
+from service.errors import BundleError
+from service.runtime.encoder import EncoderConfig
+from tests.training.stage1_fanout.test_policy import make_tiny_bundle
+from training.pipeline import PIPELINE, CatalogConfig, build_bundle, stage_configs
+
+MODEL_STAGES = ("folm-warmstart", "folm", "synthesis", "diffusion")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CatalogConfig, dict, float]:
+    """A tiny bundle built by `build_bundle` from scratch: (bundle, its config, its manifest,
+    the build's wall time)."""
+    root = tmp_path_factory.mktemp("pipeline")
+    make_tiny_bundle(root)  # writes the sources (and a catalog-only bundle we do not use)
+    config = CatalogConfig(source=str(root / "catalog.jsonl"), benchmark=str(root / "bench.jsonl"))
+    bundle = root / "full"
+    started = time.perf_counter()
+    manifest = build_bundle(bundle, config, presets="tiny")
+    return bundle, config, copy.deepcopy(manifest), time.perf_counter() - started
+
+
+def copy_of(bundle: Path, target: Path) -> Path:
+    shutil.copytree(bundle, target)
+    return target
+
+
+def plan_of(bundle: Path) -> dict[str, str]:
+    status = read_build_status(bundle)
+    assert status is not None
+    return {step["stage"]: f"{step['action']} ({step['reason']})" if step["reason"]
+            else step["action"] for step in status["plan"]}
+
+
+def test_a_built_bundle_is_current_and_rebuilds_nothing(built, capsys) -> None:
+    bundle, config, first, wall = built
+    print(f"tiny bundle built in {wall:.0f} s")
+    assert set(PIPELINE) <= set(verify_bundle(bundle)["stages"])
+    status = read_build_status(bundle)
+    assert status["state"] == "done" and status["error"] is None
+    assert status["finished"] == list(PIPELINE)
+    assert plan_of(bundle) == dict.fromkeys(PIPELINE, "build (absent)")
+    stages = first["stages"]
+    assert stages["benchmark"]["inputs"] == {"catalog": stage_hash(first, "catalog")}
+    assert stages["diffusion"]["inputs"] == {"catalog": stage_hash(first, "catalog"),
+                                             "synthesis": stage_hash(first, "synthesis")}
+    assert stages["folm"]["inputs"]["folm-warmstart"] == stage_hash(first, "folm-warmstart")
+    capsys.readouterr()
+
+    from training.cli import main
+
+    assert main(["--bundle", str(bundle), "bundle", "--source", config.source, "--benchmark",
+                 str(config.benchmark), "--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"\n  {name}: current" in out for name in PIPELINE) and "up to date" in out
+    assert read_manifest(bundle)["stages"] == stages
+    assert plan_of(bundle) == dict.fromkeys(PIPELINE, "current")
+    assert read_build_status(bundle)["finished"] == []
+
+
+def test_a_stage_config_change_rebuilds_it_and_its_downstream_only(built, tmp_path) -> None:
+    bundle, config, first, _ = built
+    bundle = copy_of(bundle, tmp_path / "copy")
+    tiny = stage_configs("tiny")
+    configs = replace(tiny, synthesis=replace(tiny.synthesis, samples_per_query=4))
+    manifest = build_bundle(bundle, config, presets=configs)
+    assert plan_of(bundle) == {
+        "catalog": "current", "benchmark": "current", "folm-warmstart": "current",
+        "folm": "current", "synthesis": "rebuild (config changed)",
+        "diffusion": "rebuild (synthesis changed)",
+    }
+    old, new = first["stages"], manifest["stages"]
+    for name in ("catalog", "benchmark", "folm-warmstart", "folm"):
+        assert new[name] == old[name]
+    assert new["synthesis"]["config"]["synthesis"]["samples_per_query"] == 4
+    assert new["diffusion"]["inputs"]["synthesis"] == stage_hash(manifest, "synthesis")
+    assert new["diffusion"]["inputs"]["synthesis"] != old["diffusion"]["inputs"]["synthesis"]
+    assert new["diffusion"]["finished"] >= old["diffusion"]["finished"]
+    build_bundle(bundle, config, presets=configs)
+    assert set(plan_of(bundle).values()) == {"current"}
+    build_bundle(bundle, config, presets=tiny)  # back to the preset: those two again
+    assert [s for s, a in plan_of(bundle).items() if a != "current"] == ["synthesis", "diffusion"]
+
+
+def test_a_catalog_change_rebuilds_every_stage_downstream(built, tmp_path, capsys) -> None:
+    bundle, config, first, _ = built
+    bundle = copy_of(bundle, tmp_path / "copy")
+    source = tmp_path / "more.jsonl"
+    extra = {"id": "camping-whistle", "text": "whistle, camping whistle: gear used when "
+             "camping outdoors, the whistle"}
+    source.write_text(Path(config.source).read_text() + json.dumps(extra) + "\n")
+    changed = replace(config, source=str(source))
+    capsys.readouterr()
+    manifest = build_bundle(bundle, changed, presets="tiny")
+    out = capsys.readouterr().out
+    assert "catalog: rebuild (config changed)" in out
+    assert "folm-warmstart: rebuild (catalog, benchmark changed)" in out
+    assert "diffusion: rebuild (catalog, synthesis changed)" in out
+    plan = plan_of(bundle)
+    assert all(plan[name].startswith("rebuild") for name in PIPELINE)
+    assert manifest["n_items"] == first["n_items"] + 1
+    old, new = first["stages"], manifest["stages"]
+    for name in MODEL_STAGES:
+        assert new[name]["inputs"] != old[name]["inputs"], name
+        assert new[name]["inputs"]["catalog"] == stage_hash(manifest, "catalog")
+    assert verify_bundle(bundle)["stages"] == new
+
+
+def test_staging_leaves_the_bundle_unchanged_when_the_body_raises(tmp_path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    write_manifest(bundle, new_manifest("t", EncoderConfig(), seed=0))
+    manifest = read_manifest(bundle)
+    with stage(bundle, manifest, "catalog", {"config_hash": "c1"}) as staged:
+        (staged / "a.txt").write_text("a")
+        (staged / "sub").mkdir()
+        (staged / "sub" / "b.txt").write_text("b")
+    committed = read_manifest(bundle)
+    assert committed["stages"]["catalog"]["files"] == ["a.txt", "sub/b.txt"]  # all written
+    assert committed["stages"]["catalog"]["inputs"] == {}
+    before = sorted(p.relative_to(bundle) for p in bundle.rglob("*"))
+    text = (bundle / MANIFEST).read_text()
+
+    with (pytest.raises(RuntimeError, match="half way"),
+          stage(bundle, committed, "catalog", {"config_hash": "c2"}) as staged):
+        (staged / "a.txt").write_text("changed")
+        raise RuntimeError("half way")
+    assert (bundle / MANIFEST).read_text() == text
+    assert sorted(p.relative_to(bundle) for p in bundle.rglob("*")) == before
+    assert (bundle / "a.txt").read_text() == "a"
+
+    record = {"config_hash": "b1"}
+    with stage(bundle, committed, "benchmark", record) as staged:
+        (staged / "only.txt").write_text("x")
+        (staged / "scratch.tmp").write_text("not committed")
+        record["files"] = ["only.txt"]
+    manifest = verify_bundle(bundle)
+    assert manifest["stages"]["benchmark"]["inputs"] == {"catalog": stage_hash(manifest,
+                                                                              "catalog")}
+    assert not (bundle / "scratch.tmp").exists()
+    assert not [p for p in bundle.iterdir() if p.name.startswith(".staging")]
+    with stage(bundle, manifest, "catalog", {"config_hash": "c3"}) as staged:  # a.txt only
+        (staged / "a.txt").write_text("a2")
+    manifest = verify_bundle(bundle)
+    assert "sub/b.txt" not in manifest["files"] and not (bundle / "sub" / "b.txt").exists()
+
+
+def test_stage_status_follows_config_and_inputs() -> None:
+    manifest = {"stages": {}, "files": {"x": {"sha256": "1"}}}
+    assert stage_status(manifest, "catalog", {"a": 1}) == ("build", "absent")
+    from service.artifacts.bundle import config_hash
+
+    manifest["stages"]["catalog"] = {"config_hash": config_hash({"a": 1}), "inputs": {},
+                                     "files": ["x"]}
+    assert stage_status(manifest, "catalog", {"a": 1}) == ("current", "")
+    assert stage_status(manifest, "catalog", {"a": 2}) == ("rebuild", "config changed")
+    manifest["stages"]["benchmark"] = {"config_hash": config_hash({}), "files": [],
+                                       "inputs": {"catalog": stage_hash(manifest, "catalog")}}
+    assert stage_status(manifest, "benchmark", {}) == ("current", "")
+    assert stage_status(manifest, "benchmark", {}, ["catalog"]) == ("rebuild", "catalog changed")
+    manifest["files"]["x"]["sha256"] = "2"  # the catalog was rebuilt with other contents
+    assert stage_status(manifest, "benchmark", {}) == ("rebuild", "catalog changed")
+    del manifest["stages"]["benchmark"]["inputs"]  # a record from before inputs were kept
+    assert stage_status(manifest, "benchmark", {})[0] == "rebuild"
+
+
+def test_build_status_of_a_dead_build_reads_failed_and_a_live_one_blocks(tmp_path) -> None:
+    assert read_build_status(tmp_path) is None
+    status = {"state": "running", "pid": 2**22 + 12345, "plan": [], "finished": [],
+              "current": "folm", "error": None}
+    write_json_atomic(tmp_path / BUILD_STATUS, status)
+    dead = read_build_status(tmp_path)
+    assert dead["state"] == "failed" and "stopped" in dead["error"]
+    write_json_atomic(tmp_path / BUILD_STATUS, {**status, "pid": os.getppid()})
+    with pytest.raises(BundleError, match="being built"):
+        build_bundle(tmp_path, CatalogConfig(), presets="tiny")
+
+
+def test_a_jsonl_catalog_without_benchmark_fails_before_building(tmp_path) -> None:
+    source = tmp_path / "c.jsonl"
+    source.write_text(json.dumps({"id": "a", "text": "a thing"}) + "\n")
+    with pytest.raises(BundleError, match="--benchmark"):
+        build_bundle(tmp_path / "b", CatalogConfig(source=str(source)), presets="tiny")
+    status = read_build_status(tmp_path / "b")
+    assert status["state"] == "failed" and "--benchmark" in status["error"]
+    assert not (tmp_path / "b" / MANIFEST).exists()

@@ -1,0 +1,133 @@
+"""The broad-query benchmark: queries with reference sets grouped into branches.
+
+WordNet default: every noun synset with 50–2000 hyponym descendants is a broad query (its
+first lemma is the text); its reference set is its descendants, grouped by its direct
+hyponym branches. A user's benchmark is JSONL {"query": str, "groups": [[item ids], ...]}
+(groups optional). Splits are deterministic by query (80/10/10, fixed seed).
+
+The hierarchy is for evaluation only: training code calls `query_texts`, never `load_split`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from service.errors import CatalogError
+from training.data.wordnet import Synset, descendant_counts, descendants, load_nouns
+
+SPLITS = ("train", "val", "test")
+SPLIT_FRACTIONS = (0.8, 0.1, 0.1)
+MIN_DESCENDANTS, MAX_DESCENDANTS = 50, 2000
+BENCHMARK_DIR = "benchmark"
+
+
+@dataclass
+class BenchmarkQuery:
+    query: str
+    groups: list[list[str]] = field(default_factory=list)
+    id: str | None = None
+
+    @property
+    def reference(self) -> set[str]:
+        return {item for group in self.groups for item in group}
+
+    def to_json(self) -> str:
+        record = {"query": self.query, "groups": self.groups}
+        if self.id is not None:
+            record["id"] = self.id
+        return json.dumps(record)
+
+
+def wordnet_queries(synsets: dict[str, Synset] | None = None) -> list[BenchmarkQuery]:
+    """The 923 broad WordNet noun queries, in synset-offset order."""
+    synsets = synsets or load_nouns()
+    counts = descendant_counts(synsets)
+    queries = []
+    for offset, synset in synsets.items():
+        if MIN_DESCENDANTS <= counts[offset] <= MAX_DESCENDANTS:
+            groups = [[child, *sorted(descendants(synsets, child))] for child in synset.hyponyms]
+            queries.append(BenchmarkQuery(query=synset.lemmas[0], groups=groups, id=offset))
+    return queries
+
+
+def split_queries(queries: list[BenchmarkQuery], seed: int) -> dict[str, list[BenchmarkQuery]]:
+    """Shuffle with a fixed seed and cut 80/10/10; the same input always gives the same split."""
+    order = np.random.default_rng(seed).permutation(len(queries))
+    n_train = round(SPLIT_FRACTIONS[0] * len(queries))
+    n_val = round(SPLIT_FRACTIONS[1] * len(queries))
+    shuffled = [queries[i] for i in order]
+    return {
+        "train": shuffled[:n_train],
+        "val": shuffled[n_train : n_train + n_val],
+        "test": shuffled[n_train + n_val :],
+    }
+
+
+def read_benchmark_file(path: Path, known_ids: set[str] | None = None) -> list[BenchmarkQuery]:
+    """A user's benchmark JSONL; unknown item ids are an error naming the line."""
+    if not path.is_file():
+        raise CatalogError(f"benchmark file not found: {path}")
+    queries = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CatalogError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
+        text = record.get("query") if isinstance(record, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise CatalogError(f"{path}:{number}: 'query' is missing or empty")
+        groups = [[str(i) for i in group] for group in record.get("groups", [])]
+        unknown = {i for g in groups for i in g} - known_ids if known_ids is not None else set()
+        if unknown:
+            raise CatalogError(f"{path}:{number}: unknown item ids {sorted(unknown)[:5]}")
+        queries.append(BenchmarkQuery(query=text.strip(), groups=groups, id=record.get("id")))
+    return queries
+
+
+def write_splits(splits: dict[str, list[BenchmarkQuery]], directory: Path) -> list[str]:
+    """Write benchmark/<split>.jsonl files; returns their paths relative to `directory`."""
+    (directory / BENCHMARK_DIR).mkdir(parents=True, exist_ok=True)
+    names = []
+    for split, queries in splits.items():
+        name = f"{BENCHMARK_DIR}/{split}.jsonl"
+        (directory / name).write_text("".join(q.to_json() + "\n" for q in queries))
+        names.append(name)
+    return names
+
+
+def load_split(bundle_dir: Path, split: str) -> list[BenchmarkQuery]:
+    """Queries with their reference groups — for evaluation only."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    path = bundle_dir / BENCHMARK_DIR / f"{split}.jsonl"
+    return [_from_record(json.loads(line)) for line in path.read_text().splitlines() if line]
+
+
+def query_texts(bundle_dir: Path, split: str = "train") -> list[str]:
+    """The only view of the benchmark that training code may take: the query texts."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    path = bundle_dir / BENCHMARK_DIR / f"{split}.jsonl"
+    return [json.loads(line)["query"] for line in path.read_text().splitlines() if line]
+
+
+def training_queries(bundle_dir: Path, names: list[str], n_extra: int, seed: int) -> list[str]:
+    """Train-split query texts plus `n_extra` catalog names that are no val/test query."""
+    train = query_texts(bundle_dir, "train")
+    held_out = {t.lower() for split in ("val", "test") for t in query_texts(bundle_dir, split)}
+    seen = held_out | {t.lower() for t in train}
+    candidates = sorted({n for n in names if n and n.lower() not in seen})
+    rng = np.random.default_rng(seed)
+    picked = rng.choice(len(candidates), size=min(n_extra, len(candidates)), replace=False)
+    return [*train, *[candidates[i] for i in sorted(picked)]]
+
+
+def _from_record(record: dict) -> BenchmarkQuery:
+    groups = record.get("groups", [])
+    return BenchmarkQuery(query=record["query"], groups=groups, id=record.get("id"))

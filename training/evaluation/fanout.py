@@ -1,0 +1,104 @@
+"""Evaluation methods of the autoregressive fan-out route, decoded by the bundle's ONNX models.
+
+- `folm-warmstart`: the warm-start policy, one sample (the zero-shot analogue);
+- `folm`: the GRPO policy, one sample;
+- `best-of-5`: five warm-start samples, the best by composite reward.
+`folm` and `folm-warmstart` are the served AR route (`service.scheduling.retriever.ar_path`) over
+either
+policy: same prompt, decoding, sub-query resolution and dense fill as an HTTP answer. Samples are
+drawn at the temperature recorded in the exported `folm.json` (decoded freely, a policy this
+small greedily repeats one line) with fixed seeds, all three under the served policy's decoding
+(`served_decoding`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+
+from service.artifacts.bundle import Bundle
+from service.fanout.format import parse_fanout
+from service.fanout.reward import score_probes
+from service.paths.autoregressive import AutoregressivePath
+from service.runtime.decoding import FOLM_CONFIG
+from service.runtime.encoder import Encoder
+from service.scheduling.retriever import ar_path
+from service.settings import Settings
+from training.evaluation.baselines import Method, MethodOutput, fanout_output, path_method
+from training.stage1_fanout.grpo import embed_subqueries
+
+BEST_OF = 5
+SEED = 0
+
+
+def served_decoding(bundle: Bundle, decoding: str | None) -> str | None:
+    """`decoding`, else the served policy's (folm/folm.json) so that every AR method decodes
+    alike, else None (each decoder's own)."""
+    if decoding is not None:
+        return decoding
+    served = bundle.path / "folm" / FOLM_CONFIG
+    config = json.loads(served.read_text()) if served.is_file() else {}
+    return config.get("decoding")
+
+
+def policy_path(bundle: Bundle, folder: str, threads: int, temperature: float | None,
+                seed: int, decoding: str | None) -> AutoregressivePath:
+    """The served AR route over the policy in `folder`, sampling at its recorded temperature
+    (1.0 when it records none) with `seed`."""
+    if temperature is None:
+        config = json.loads((bundle.path / folder / FOLM_CONFIG).read_text())
+        temperature = float(config.get("temperature", 1.0))
+    settings = Settings(bundle=bundle.path, ar_backend="onnx", threads=threads, seed=seed,
+                        ar_temperature=temperature,
+                        ar_decoding=served_decoding(bundle, decoding))
+    return ar_path(settings, bundle, Encoder(bundle.encoder_config), folder=folder)
+
+
+def folm_warmstart(
+    bundle: Bundle, k: int = 10, threads: int = 0, temperature: float | None = None,
+    seed: int = SEED, decoding: str | None = None,
+) -> Method:
+    path = policy_path(bundle, "folm-warmstart", threads, temperature, seed, decoding)
+    return path_method(bundle, path, k)
+
+
+def folm(
+    bundle: Bundle, k: int = 10, threads: int = 0, temperature: float | None = None,
+    seed: int = SEED, decoding: str | None = None,
+) -> Method:
+    return path_method(bundle, policy_path(bundle, "folm", threads, temperature, seed,
+                                           decoding), k)
+
+
+def best_of_5(
+    bundle: Bundle, k: int = 10, threads: int = 0, n: int = BEST_OF,
+    temperature: float | None = None, seed: int = SEED, decoding: str | None = None,
+) -> Method:
+    """n warm-start samples per query (the served route's prompts and decoding); keep the one
+    with the highest composite reward."""
+    path = policy_path(bundle, "folm-warmstart", threads, temperature, seed, decoding)
+
+    def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
+        prompts = path.prompt_builder.prompts(texts, queries)
+        repeated = [p for p in prompts for _ in range(n)]  # (Q·n,)
+        parsed = [parse_fanout(g.text, k) for g in path.backend.generate(repeated)]
+        q_rep = np.repeat(queries, n, axis=0)  # (Q·n, d)
+        probes = embed_subqueries(path.encoder, path.grounding, parsed, q_rep,
+                                  fallback=True)  # (Q·n, k, d)
+        valid = np.stack([p.scored for p in parsed])  # (Q·n, k)
+        terms = score_probes(bundle.index, bundle.items.embeddings, q_rep, probes, valid)
+        best = terms.total.reshape(len(texts), n).argmax(axis=1) + n * np.arange(len(texts))
+        out = fanout_output(bundle, probes[best])  # (Q, k, d) probes of the chosen samples
+        out.valid = valid[best]
+        return out
+
+    return run
+
+
+FANOUT_METHODS: dict[str, Callable[..., Method]] = {
+    "folm-warmstart": folm_warmstart,
+    "folm": folm,
+    "best-of-5": best_of_5,
+}

@@ -1,0 +1,181 @@
+"""The evaluation harness: run a named method over a benchmark split, write its report.
+
+Reports land in `models/<bundle>/eval/<method>-<split>.json` with the shape
+{"method", "split", "n_queries", "k", "metrics": {...}} and a markdown table of every
+report so far in `eval/README.md`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from service.artifacts.bundle import REPORTS_DIR, Bundle
+from service.errors import InputError
+from service.fanout.reward import score_probes
+from service.runtime.encoder import Encoder
+from training.data.splits import BenchmarkQuery, load_split
+from training.evaluation.baselines import BASELINES, Method, MethodOutput
+from training.evaluation.diffusion import diffusion
+from training.evaluation.fanout import FANOUT_METHODS
+from training.evaluation.metrics import group_hit_rate, precision, recall, set_vendi
+
+METRICS = (
+    "recall@5k", "hit@5k", "precision@10", "coverage@10", "vendi@10",
+    "alignment", "groundedness", "reward", "latency_ms_per_query",
+)
+BATCH = 64
+# per-query extras, averaged into the report's "diagnostics": the paper's literal Recall@5K
+# (the union of 500 per probe, fewer distinct items when probes overlap) and both pool sizes
+DIAGNOSTICS = ("distinct_subqueries", "recall@5k_union", "pool_size", "union_pool_size")
+
+# name -> factory(bundle, k, **options) -> Method; later stages register their methods here.
+METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS,
+                                             "diffusion": diffusion}
+PER_SEED = ("recall@5k", "coverage@10", "reward")  # per-seed means kept in the diagnostics
+DIAGNOSTICS_DIR = "diagnostics"  # per-report extras kept apart so reports keep their exact shape
+
+
+def query_metrics(query: BenchmarkQuery, out: MethodOutput, i: int, bundle: Bundle) -> dict:
+    """Reference-based metrics of query i (NaN when the query has no reference groups)."""
+    ids = bundle.items.ids
+    returned = [ids[r] for r in out.items[i]]
+    pool = {ids[r] for r in out.pools[i]}
+    reference = query.reference
+    union = {ids[r] for r in out.union_pools[i]} if out.union_pools is not None else pool
+    return {
+        "recall@5k_union": recall(union, reference),
+        "pool_size": float(len(pool)),
+        "union_pool_size": float(len(union)),
+        "recall@5k": recall(pool, reference),
+        "hit@5k": group_hit_rate(pool, query.groups),
+        "precision@10": precision(returned, reference),
+        "coverage@10": group_hit_rate(set(returned), query.groups),
+        "vendi@10": set_vendi(bundle.items.embeddings[out.items[i]]),
+    }
+
+
+def evaluate(
+    bundle: Bundle,
+    method: str,
+    split: str = "test",
+    k: int = 10,
+    limit: int | None = None,
+    encoder: Encoder | None = None,
+    seeds: int = 1,
+    **options: Any,
+) -> dict[str, Any]:
+    """Run `method` over `split` in batches and return the report dict. A sampling method
+    (one taking a `seed`) runs with seeds s..s+seeds−1 (s = options' `seed`, else 0) and its
+    metrics average over every (query, seed) pair; the per-seed means go to the diagnostics."""
+    if method not in METHODS:
+        raise InputError(f"unknown method {method!r}; available: {sorted(METHODS)}")
+    if seeds < 1:
+        raise InputError(f"seeds must be at least 1, got {seeds}")
+    queries = load_split(bundle.path, split)[:limit]
+    encoder = encoder or Encoder(bundle.encoder_config)
+    seeded = "seed" in inspect.signature(METHODS[method]).parameters
+    first = options.pop("seed", 0) if seeded else 0
+    runs: list[list[dict]] = []
+    elapsed = 0.0
+    for seed in range(first, first + (seeds if seeded else 1)):
+        run = METHODS[method](bundle, k=k, **({"seed": seed} if seeded else {}), **options)
+        rows, seconds = _score(bundle, run, queries, encoder, f"eval {method}/{split}")
+        runs.append(rows)
+        elapsed += seconds
+    rows = [row for seed_rows in runs for row in seed_rows]
+    metrics = {name: _mean([r[name] for r in rows]) for name in METRICS[:-1]}
+    metrics["latency_ms_per_query"] = 1000.0 * elapsed / max(len(rows), 1)
+    diagnostics: dict[str, Any] = {name: _mean([r[name] for r in rows]) for name in DIAGNOSTICS}
+    diagnostics["seeds"] = len(runs)
+    diagnostics["per_seed"] = {name: [_mean([r[name] for r in seed_rows]) for seed_rows in runs]
+                               for name in PER_SEED}
+    return {"method": method, "split": split, "n_queries": len(queries), "k": k,
+            "metrics": metrics, "diagnostics": diagnostics}
+
+
+def _score(bundle: Bundle, run: Method, queries: list[BenchmarkQuery], encoder: Encoder,
+           desc: str) -> tuple[list[dict], float]:
+    """Per-query metric rows of one pass of `run` over `queries`, and its seconds."""
+    rows: list[dict] = []
+    elapsed = 0.0
+    for start in tqdm(range(0, len(queries), BATCH), desc=desc, unit="batch"):
+        batch = queries[start : start + BATCH]
+        texts = [q.query for q in batch]
+        began = time.perf_counter()
+        embedded = encoder.encode(texts)  # (B, d)
+        out = run(texts, embedded)
+        elapsed += time.perf_counter() - began
+        terms = score_probes(bundle.index, bundle.items.embeddings, embedded, out.probes, out.valid)
+        for i, query in enumerate(batch):
+            row = query_metrics(query, out, i, bundle)
+            row.update(alignment=terms.alignment[i], groundedness=terms.ground[i])
+            row["reward"] = terms.total[i]
+            row["distinct_subqueries"] = float(terms.n_valid[i])
+            rows.append(row)
+    return rows, elapsed
+
+
+def _mean(values: list[float]) -> float | None:
+    array = np.asarray(values, dtype=np.float64)
+    return float(np.nanmean(array)) if np.isfinite(array).any() else None
+
+
+def write_report(bundle_dir: Path, report: dict[str, Any]) -> Path:
+    """Write the report JSON and refresh the markdown table of all reports."""
+    directory = bundle_dir / REPORTS_DIR
+    (directory / DIAGNOSTICS_DIR).mkdir(parents=True, exist_ok=True)
+    report = dict(report)
+    name = f"{report['method']}-{report['split']}.json"
+    diagnostics = report.pop("diagnostics", {})
+    (directory / DIAGNOSTICS_DIR / name).write_text(json.dumps(diagnostics, indent=2) + "\n")
+    path = directory / name
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    (directory / "README.md").write_text(results_table(bundle_dir))
+    return path
+
+
+def results_table(bundle_dir: Path) -> str:
+    """Markdown table of every report in the bundle's eval folder."""
+    reports = [json.loads(p.read_text()) for p in sorted((bundle_dir / REPORTS_DIR).glob("*.json"))]
+    header = "| method | split | n | " + " | ".join(METRICS) + " | distinct sub-queries |"
+    lines = [f"# Evaluation of bundle `{bundle_dir.name}`", "", header,
+             "|" + "---|" * (len(METRICS) + 4)]
+    for r in sorted(reports, key=lambda r: (r["split"], r["method"])):
+        extra = bundle_dir / REPORTS_DIR / DIAGNOSTICS_DIR / f"{r['method']}-{r['split']}.json"
+        distinct = json.loads(extra.read_text()) if extra.is_file() else {}
+        cells = [_fmt(r["metrics"].get(name)) for name in METRICS]
+        cells.append(_fmt(distinct.get("distinct_subqueries")))
+        head = f"| {r['method']} | {r['split']} | {r['n_queries']} | "
+        lines.append(head + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3f}"
+
+
+def gaps(bundle_dir: Path, split: str = "test") -> dict[str, Any]:
+    """Relative gaps from the harness's reports: train vs `split`, and teacher (folm) vs student."""
+    def metrics(method: str, on: str) -> dict[str, float] | None:
+        path = bundle_dir / REPORTS_DIR / f"{method}-{on}.json"
+        return json.loads(path.read_text())["metrics"] if path.is_file() else None
+
+    student, train, teacher = metrics("diffusion", split), metrics("diffusion", "train"), \
+        metrics("folm", split)
+    out: dict[str, Any] = {}
+    for name in ("coverage@10", "recall@5k", "groundedness", "vendi@10"):
+        if student and train and train.get(name):
+            out.setdefault("train_vs_" + split, {})[name] = 1 - student[name] / train[name]
+        if student and teacher and teacher.get(name):
+            out.setdefault("student_vs_teacher", {})[name] = 1 - student[name] / teacher[name]
+    return out

@@ -1,0 +1,318 @@
+"""Stage 1: GRPO of the fan-out LM on the composite reward, with TRL's `GRPOTrainer`.
+
+Reward functions (one per term, built on `service.fanout.reward`): groundedness, diversity (Vendi)
+and alignment, weighted 0.6/0.2/0.2 (paper §2.2); GRPO normalises the weighted sum within
+each group of 8 completions. KL: TRL's per-token k3 estimator of the reverse KL(π‖π_ref),
+exp(r) − r − 1 with r = log π_ref − log π, added to the loss with weight `beta` against the
+frozen warm-start policy (the paper's Soft-GRPO used forward and reverse KL; we use reverse).
+Both log-probabilities are taken over the tokens the decoding grammar allowed, the distribution
+the policy sampled from (training/stage1_fanout/grpo_trainer.py).
+Ablations: `--reward ground`, `ground+align` or `all` (the default) select which terms count;
+`--reward ablation` runs the three and writes their report (training/stage1_fanout/ablation.py).
+
+Run directory `models/<bundle>/runs/folm-<reward>/`: config.json, checkpoint-*/ (resumable),
+final/ (HF checkpoint), curves.json and curves.png.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.artifacts.bundle import Bundle, git_commit, load_bundle
+from service.errors import InputError
+from service.fanout.format import ParsedFanout, PromptBuilder, item_names, parse_fanout
+from service.fanout.grounding import NameGrounding
+from service.fanout.reward import RewardTerms, RewardWeights, score_probes
+from service.runtime.encoder import Encoder
+from training.commands import given
+
+REWARD_MODES: dict[str, tuple[str, ...]] = {
+    "ground": ("ground",),
+    "ground+align": ("ground", "alignment"),
+    "all": ("ground", "diversity", "alignment"),
+}
+TERM_WEIGHTS = {"ground": 0.6, "diversity": 0.2, "alignment": 0.2}
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    preset: str = "cpu"
+    reward: str = "all"
+    steps: int = 250  # ~2.1 s per step with the catalog-context prompt: stage 1 ≈ 28 min
+    queries_per_step: int = 4  # prompts per step; completions = queries × num_generations
+    num_generations: int = 8  # the paper's group size
+    lr: float = 1.5e-4
+    beta: float = 0.04  # KL weight against the warm start
+    temperature: float = 1.0
+    warmup_steps: int = 10
+    # sample as served (service/fanout/trie.py DECODINGS): each line one of the prompt's catalog
+    # names
+    decoding: str = "context"
+    save_steps: int = 50
+    seed: int = 0
+    threads: int = 1
+
+
+# `--reward ablation`: free-text lines (under `context` decoding every line is a prompt name and
+# no collapse can be written); lr 1e-4 at 16 prompts per step raised each run's own reward,
+# where lr 5e-4 at 4 lowered it (Adam turned the noisy gradient into a random walk).
+ABLATION: dict[str, dict[str, Any]] = {
+    "cpu": {"steps": 100, "lr": 1e-4, "queries_per_step": 16, "decoding": "lines"},
+    "tiny": {"decoding": "lines"},
+}
+
+GRPO_PRESETS: dict[str, GrpoConfig] = {
+    "tiny": GrpoConfig(preset="tiny", steps=1, queries_per_step=2, num_generations=4,
+                       save_steps=1, threads=1, lr=1e-2, warmup_steps=0),
+    "cpu": GrpoConfig(),
+}
+
+
+def embed_subqueries(
+    encoder: Encoder, grounding: NameGrounding, parsed: list[ParsedFanout], queries: np.ndarray,
+    fallback: bool = False,
+) -> np.ndarray:
+    """(G, k, d) sub-query probes of G fan-outs of queries (G, d): a catalog name is its item
+    (service/fanout/grounding.py), other text its embedding; invalid slots are zero, or the query's
+    own embedding with `fallback`."""
+    k = len(parsed[0].subqueries) if parsed else 0
+    probes = np.zeros((len(parsed), k, encoder.dim), dtype=np.float32)  # (G, k, d)
+    if fallback:
+        probes[:] = queries[:, None, :]
+    where = [(g, s) for g, p in enumerate(parsed) for s in range(k) if p.valid[s]]
+    if where:
+        gi, si = (np.array(a) for a in zip(*where, strict=True))
+        texts = [parsed[g].subqueries[s] for g, s in where]
+        probes[gi, si], _ = grounding.probes(texts, queries[gi], encoder.encode)  # (n, d)
+    return probes
+
+
+class FanoutScorer:
+    """Parse → embed → score completions; memoises the last batch for the three reward fns."""
+
+    def __init__(self, bundle: Bundle, encoder: Encoder, k: int) -> None:
+        self.bundle, self.encoder, self.k = bundle, encoder, k
+        self.grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
+        self._query_cache: dict[str, np.ndarray] = {}
+        self._builders: dict[int, PromptBuilder] = {}
+        self._last: tuple[tuple[str, ...], RewardTerms, list[ParsedFanout]] | None = None
+
+    def query_embeddings(self, queries: list[str]) -> np.ndarray:
+        missing = [q for q in dict.fromkeys(queries) if q not in self._query_cache]
+        if missing:
+            self._query_cache.update(zip(missing, self.encoder.encode(missing), strict=True))
+        return np.stack([self._query_cache[q] for q in queries])  # (G, d)
+
+    def prompts(self, queries: list[str], context: int) -> list[str]:
+        """The policy's prompts, with each query's `context` nearest catalog names."""
+        if context not in self._builders:
+            self._builders[context] = PromptBuilder(self.bundle.index, self.bundle.items.texts,
+                                                    context)
+        return self._builders[context].prompts(queries, self.query_embeddings(queries))
+
+    def score(self, queries: list[str], completions: list[str]) -> tuple[RewardTerms, list]:
+        key = (*queries, "\x00", *completions)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1], self._last[2]
+        parsed = [parse_fanout(c, self.k) for c in completions]
+        query_emb = self.query_embeddings(queries)  # (G, d)
+        probes = embed_subqueries(self.encoder, self.grounding, parsed, query_emb)  # (G, k, d)
+        valid = np.stack([p.scored for p in parsed])  # (G, k); > k lines scores 0
+        terms = score_probes(self.bundle.index, self.bundle.items.embeddings, query_emb, probes,
+                             valid, RewardWeights())
+        self._last = (key, terms, parsed)
+        return terms, parsed
+
+
+def reward_functions(scorer: FanoutScorer, mode: str) -> tuple[list[Callable], list[float]]:
+    """TRL reward functions f(prompts, completions, query=..., **kw) -> list[float] + weights."""
+
+    def make(term: str) -> Callable[..., list[float]]:
+        def reward(prompts: list[str], completions: list[str], query: list[str],
+                   **kwargs: Any) -> list[float]:
+            terms, parsed = scorer.score(list(query), list(completions))
+            log = kwargs.get("log_metric")
+            if log is not None and term == "ground":
+                log("distinct_subqueries", float(np.mean([p.scored.sum() for p in parsed])))
+                log("well_formed", float(np.mean([p.well_formed for p in parsed])))
+                log("composite", float(terms.total.mean()))
+                for name in TERM_WEIGHTS:  # every term, trained on or not (ablations)
+                    log(f"score/{name}", float(getattr(terms, name).mean()))
+            return [float(v) for v in getattr(terms, term)]
+
+        reward.__name__ = term
+        return reward
+
+    terms = REWARD_MODES[mode]
+    return [make(t) for t in terms], [TERM_WEIGHTS[t] for t in terms]
+
+
+def run_dir_for(bundle_dir: Path, mode: str) -> Path:
+    return bundle_dir / "runs" / f"folm-{mode.replace('+', '-')}"
+
+
+def trl_config(config: GrpoConfig, run_dir: Path, max_new_tokens: int, weights: list[float]):
+    """GRPOConfig with the CPU overrides of NOTES.md (fp32, no checkpointing, no reporting)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(run_dir), max_steps=config.steps, learning_rate=config.lr,
+        per_device_train_batch_size=config.queries_per_step * config.num_generations,
+        num_generations=config.num_generations, max_completion_length=max_new_tokens,
+        temperature=config.temperature, beta=config.beta, reward_weights=weights,
+        logging_steps=1, save_steps=config.save_steps, save_total_limit=2, seed=config.seed,
+        bf16=False, fp16=False, activation_checkpointing=False, use_cpu=True, report_to="none",
+        dataloader_num_workers=0, lr_scheduler_type="constant_with_warmup",
+        warmup_steps=config.warmup_steps, disable_tqdm=False, save_only_model=False,
+    )
+
+
+def train_grpo(
+    bundle_dir: Path, config: GrpoConfig, init: Path, run_dir: Path | None = None,
+    queries: list[str] | None = None,
+) -> Path:
+    """Run (or resume) GRPO from the warm-start checkpoint `init`; returns final/."""
+    import torch
+    from datasets import Dataset
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from training.data.splits import query_texts
+    from training.stage1_fanout.grammar import constrain_generation
+    from training.stage1_fanout.grpo_trainer import MaskedGRPOTrainer
+    from training.stage1_fanout.policy import load_policy, policy_meta, save_policy
+
+    started = time.perf_counter()
+    torch.set_num_threads(config.threads)
+    run_dir = run_dir or run_dir_for(bundle_dir, config.reward)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    queries = queries if queries is not None else query_texts(bundle_dir, "train")
+    meta = policy_meta(init)
+    policy = meta.get("policy", {})
+    check_decoding(config.decoding, int(policy.get("context", 0)))
+    model, tokenizer = load_policy(init)
+    bundle = load_bundle(bundle_dir)
+    scorer = FanoutScorer(bundle, Encoder(bundle.encoder_config), int(policy.get("k", 10)))
+    funcs, weights = reward_functions(scorer, config.reward)
+    record = {"stage": "grpo", "config": asdict(config), "init": str(init), "policy": policy,
+              "n_training_queries": len(queries),
+              "kl": "k3 estimator of reverse KL (TRL), log-probs under the decoding's mask",
+              "reward_terms": dict(zip(REWARD_MODES[config.reward], weights, strict=True)),
+              "seed": config.seed, "git_commit": git_commit()}
+    (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    prompts = scorer.prompts(queries, int(policy.get("context", 0)))
+    data = Dataset.from_dict({"prompt": prompts, "query": queries})
+    args = trl_config(config, run_dir, int(policy.get("max_new_tokens", 48)), weights)
+    names = item_names(bundle.items.texts) if config.decoding == "catalog" else ()
+    trainer = MaskedGRPOTrainer(model=str(init), reward_funcs=funcs, args=args,
+                                train_dataset=data, processing_class=tokenizer)
+    del model
+    trainer.grammar = constrain_generation(trainer.model, tokenizer, scorer.k, config.decoding,
+                                           names)
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(str(run_dir)))
+    wall = time.perf_counter() - started
+    history = trainer.state.log_history
+    write_curves(run_dir, history, REWARD_MODES[config.reward])
+    steps = trainer.state.global_step
+    ledger = {"steps": steps, "completions": steps * args.per_device_train_batch_size,
+              "wall_s": round(wall, 1)}
+    final_meta = {**meta, **record, "wall_s": round(wall, 1), "ledger": ledger}
+    save_policy(trainer.model, tokenizer, run_dir / "final", final_meta)
+    (run_dir / "config.json").write_text(json.dumps(final_meta, indent=2, default=str) + "\n")
+    print(f"GRPO ({config.reward}): {trainer.state.global_step} steps, wall {wall:.0f} s "
+          f"-> {run_dir / 'final'}")
+    return run_dir / "final"
+
+
+def write_curves(run_dir: Path, history: list[dict], terms: tuple[str, ...]) -> None:
+    """curves.json (per step: reward terms, composite, KL, distinct) and curves.png."""
+    keys = {"reward": "reward", "kl": "kl", "composite": "composite",
+            "distinct": "distinct_subqueries", "well_formed": "well_formed"}
+    keys.update({t: f"score/{t}" for t in TERM_WEIGHTS})
+    rows = [h for h in history if "reward" in h]
+    curves: dict[str, list] = {"step": [h.get("step") for h in rows]}
+    for name, key in keys.items():
+        curves[name] = [h.get(key) for h in rows]
+    (run_dir / "curves.json").write_text(json.dumps(curves) + "\n")
+    plot_curves(curves, run_dir / "curves.png", terms)
+
+
+def plot_curves(curves: dict[str, list], path: Path, terms: tuple[str, ...]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    steps = curves["step"]
+    for name in ("composite", *TERM_WEIGHTS):
+        style = "-" if name == "composite" or name in terms else ":"
+        axes[0].plot(steps, _smooth(curves.get(name, [])), style, label=name)
+    axes[0].set_title(f"reward terms, smoothed\n(trained on {'+'.join(terms)}; dotted: not)",
+                      fontsize=10)
+    axes[0].legend()
+    axes[1].plot(steps, _smooth(curves.get("kl", [])))
+    axes[1].set_title("KL to warm start (k3)")
+    axes[2].plot(steps, _smooth(curves.get("distinct", [])))
+    axes[2].set_title("distinct valid sub-queries / 10")
+    for ax in axes:
+        ax.set_xlabel("GRPO step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _smooth(values: list, window: int = 10) -> list[float]:
+    array = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+    if len(array) < window:
+        return array.tolist()
+    kernel = np.ones(window) / window
+    padded = np.concatenate([np.full(window - 1, array[0]), array])
+    return np.convolve(padded, kernel, mode="valid").tolist()
+
+
+def policy_fanouts(
+    checkpoint: Path, prompts: list[str], max_new_tokens: int, temperature: float = 1.0,
+    seed: int = 0, k: int = 10, decoding: str = "lines", names: list[str] | None = None,
+) -> list[str]:
+    """One completion per prompt from a HF checkpoint (sampled; greedy at temperature 0),
+    decoded as served (`decoding`; `names` are the catalog's, for "catalog"; k=0: free)."""
+    import torch
+
+    from training.stage1_fanout.grammar import constrain_generation
+    from training.stage1_fanout.policy import load_policy
+
+    model, tokenizer = load_policy(checkpoint)
+    if k:
+        constrain_generation(model, tokenizer, k, decoding, names or ())
+    torch.manual_seed(seed)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} \
+        if temperature > 0 else {"do_sample": False}
+    texts: list[str] = []
+    for start in range(0, len(prompts), 64):
+        batch = prompts[start : start + 64]
+        enc = tokenizer(batch, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, **sampling)
+        texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :],
+                                        skip_special_tokens=True)
+    return texts
+
+
+def check_decoding(decoding: str, context: int) -> None:
+    """`context` decoding writes the prompt's catalog names: a policy without any cannot."""
+    if decoding == "context" and context == 0:
+        raise InputError("--decoding context needs a policy with catalog names in its prompt "
+                         "(context > 0); use --decoding lines")
+
+
+def resolve_config(preset: str, **overrides: Any) -> GrpoConfig:
+    """The preset with the overrides that are set (not None)."""
+    return replace(GRPO_PRESETS[preset], **given(overrides))

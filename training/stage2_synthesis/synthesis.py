@@ -1,0 +1,497 @@
+"""Stage 2: synthesise the diffusion model's training set from the frozen fan-out policy.
+
+Each training query is sampled `samples_per_query` times (paper: 128) at temperature 0.9;
+each sample's k sub-queries are resolved to catalog items — a name by lookup, other text by
+its top-1 neighbour (service/fanout/grounding.py) — whose embeddings form the target block. The
+targets are the policy's whole output distribution: no reward filter by default (paper Fig. 1,
+§2.4). `--keep-top-frac F` keeps only each query's best F of samples by reward — the "filter
+successful trajectories" reading, for comparison. The local and torch backends sample as the
+service decodes (`--decoding`, default `context`: each of the k lines one of the prompt's
+catalog names, service/fanout/trie.py); a sample with fewer than k non-empty lines (the http
+backend's, unconstrained) cannot give k targets and is dropped (counted in the ledger);
+duplicate lines are kept and resolve to the same item, as the policy wrote them.
+`--extra-queries N` adds N catalog names that are no val/test query (the warm start's pick) as
+queries, `--extra-samples` samples each: the student sees more distinct conditions than the
+738 train queries.
+
+Backends: `local` (in this process, the default: the policy exported to ONNX and decoded
+by `service.runtime.decoding.FanoutDecoder` — what the service runs, 2–5× faster than HF `generate`
+on 2 cores), `torch` (HF `generate` in this process) and `http` (an OpenAI-compatible
+`/v1/completions` endpoint, what vLLM serves). Each distinct sub-query text is embedded and
+searched once per run (`ResolutionCache`); the ledger's retrieval calls count those searches.
+The run directory (`models/<bundle>/runs/synthesis/`) holds config.json,
+shards/shard-NNNNN.npz + .jsonl (resumable: finished shards are skipped) and ledger.json
+(samples, tokens, retrieval calls, wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from tqdm import tqdm
+
+from service.artifacts.bundle import config_hash, git_commit, load_bundle, read_manifest, stage
+from service.errors import BundleError, InputError
+from service.fanout.format import PromptBuilder, item_names, parse_fanout
+from service.fanout.grounding import NameGrounding
+from service.fanout.reward import reward_terms
+from service.fanout.trie import DECODINGS, NAME_SCOPES, NameConstraint
+from service.runtime.encoder import Encoder
+from service.runtime.index import search
+
+SYNTHESIS_RUN = "synthesis"
+SHARDS = "shards"
+POLICY_ONNX = "policy-onnx"  # the policy exported for the local backend, in the run folder
+
+
+@dataclass(frozen=True)
+class SynthesisConfig:
+    samples_per_query: int = 128
+    # Catalog names (the warm start's 4,000, no val/test query) as extra queries, 16 samples
+    # each: 5.4× the student's distinct conditions, for ~10 more minutes of sampling (measured).
+    extra_queries: int = 4000
+    extra_samples: int = 16
+    temperature: float = 0.9
+    max_new_tokens: int | None = None  # None: the policy's own budget
+    shard_queries: int = 16
+    backend: str = "local"  # "local" (ONNX Runtime), "torch" (HF generate) or "http"
+    endpoint: str | None = None  # base URL of an OpenAI-compatible server (http backend)
+    model: str = "folm"  # model name sent to the http backend
+    keep_top_frac: float | None = None  # None: no reward filter (the paper's choice)
+    decoding: str = "context"  # as GRPO sampled and the service decodes (service/fanout/trie.py)
+    k: int = 10
+    seed: int = 0
+    threads: int = 1  # ONNX Runtime / torch intra-op threads
+
+    def __post_init__(self) -> None:
+        counts = {"samples per query": self.samples_per_query, "k": self.k,
+                  "extra samples": self.extra_samples, "queries per shard": self.shard_queries}
+        bad = [f"{name} must be ≥ 1 (got {value})" for name, value in counts.items() if value < 1]
+        if self.extra_queries < 0:
+            bad.append(f"extra queries must be ≥ 0 (got {self.extra_queries})")
+        if self.decoding not in DECODINGS:
+            bad.append(f"decoding must be one of {', '.join(DECODINGS)} (got {self.decoding})")
+        if self.temperature < 0:
+            bad.append(f"temperature must be ≥ 0 (got {self.temperature})")
+        if bad:
+            raise InputError("synthesis: " + "; ".join(bad))
+
+
+SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
+    "cpu": SynthesisConfig(),
+    # 48 tokens: the tiny policy's own 32 seldom hold k lines
+    "tiny": SynthesisConfig(samples_per_query=6, extra_queries=0, max_new_tokens=48,
+                            shard_queries=3),
+}
+
+
+@dataclass
+class SynthesisDataset:
+    queries: list[str]
+    query_emb: np.ndarray  # (N, d) float32
+    target_emb: np.ndarray  # (N, k, d) float32
+    target_rows: np.ndarray  # (N, k) int64 catalog rows
+    query_index: np.ndarray  # (N,) int64 into `queries`
+    reward: np.ndarray  # (N,) float32 composite reward
+    terms: dict[str, np.ndarray]  # ground, diversity, alignment: (N,) float32
+    subqueries: list[list[str]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.query_index)
+
+
+class Sampler(Protocol):
+    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
+               seed: int) -> tuple[list[str], int]: ...
+
+
+class OnnxSampler:
+    """The exported policy decoded by ONNX Runtime with a KV cache, in this process."""
+
+    def __init__(self, folm_dir: Path, threads: int, decoding: str = "lines",
+                 names: list[str] | None = None) -> None:
+        from service.runtime.decoding import FanoutDecoder
+
+        self.decoder = FanoutDecoder(folm_dir, threads=threads)
+        self.free = decoding == "free"
+        self.names = NameConstraint(self.decoder.tokenizer, int(self.decoder.config["eos_id"]),
+                                    decoding, names or ()) if decoding in NAME_SCOPES else None
+
+    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
+               seed: int) -> tuple[list[str], int]:
+        gens = self.decoder.generate([prompt] * n, temperature, max_new_tokens, seed,
+                                     enforce_lines=not self.free, names=self.names)
+        return [g.text for g in gens], sum(g.n_tokens for g in gens)
+
+
+class TorchSampler:
+    """HF `generate` on an in-process checkpoint; returns (texts, tokens generated)."""
+
+    def __init__(self, checkpoint: Path, k: int, decoding: str = "lines",
+                 names: list[str] | None = None) -> None:
+        from training.stage1_fanout.grammar import constrain_generation
+        from training.stage1_fanout.policy import load_policy
+
+        self.model, self.tokenizer = load_policy(checkpoint)
+        self.model.eval()
+        constrain_generation(self.model, self.tokenizer, k, decoding, names or ())  # as served
+
+    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
+               seed: int) -> tuple[list[str], int]:
+        import torch
+
+        torch.manual_seed(seed)
+        enc = self.tokenizer([prompt], return_tensors="pt")
+        with torch.no_grad():
+            out = self.model.generate(
+                **enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                max_new_tokens=max_new_tokens, num_return_sequences=n,
+                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
+            )
+        new = out[:, enc["input_ids"].shape[1] :]  # (n, T)
+        eos = self.tokenizer.eos_token_id
+        ended = (new == eos).int()
+        lengths = torch.where(ended.any(1), ended.argmax(1) + 1, torch.full_like(ended[:, 0],
+                                                                               new.shape[1]))
+        texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
+        return texts, int(lengths.sum())
+
+
+class HttpSampler:
+    """An OpenAI-compatible completions endpoint (e.g. vLLM's `/v1/completions`)."""
+
+    def __init__(self, endpoint: str, model: str, timeout: float = 120.0) -> None:
+        import httpx
+
+        self.model = model
+        self.client = httpx.Client(base_url=endpoint.rstrip("/"), timeout=timeout)
+
+    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
+               seed: int) -> tuple[list[str], int]:
+        body = {"model": self.model, "prompt": prompt, "n": n,
+                "temperature": temperature, "max_tokens": max_new_tokens, "seed": seed}
+        response = self.client.post("/v1/completions", json=body)
+        response.raise_for_status()
+        payload = response.json()
+        choices = sorted(payload["choices"], key=lambda c: c.get("index", 0))
+        tokens = int(payload.get("usage", {}).get("completion_tokens", 0))
+        return [c["text"] for c in choices], tokens
+
+
+class ResolutionCache:
+    """Sub-query text → (probe, top-1 row, cosine), shared across queries of a run.
+
+    A catalog name resolves to its item by lookup (service/fanout/grounding.py: probe = the item,
+    cosine
+    1); other texts are embedded and searched once each — a trained policy reuses texts across
+    queries. Bounded: cleared when it holds `limit` texts.
+    """
+
+    def __init__(self, bundle: Any, encoder: Encoder, limit: int = 500_000) -> None:
+        self.bundle, self.encoder, self.limit = bundle, encoder, limit
+        self.grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
+        self.entries: dict[str, tuple[np.ndarray, int, float]] = {}
+        self.searches = 0
+
+    def lookup(
+        self, texts: list[str], query: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(probes (U, d), rows (U,), sims (U,)) of distinct `texts` written for `query` (d,)."""
+        named = self.grounding.rows(texts, np.broadcast_to(query, (len(texts), len(query))))
+        free = [t for t, r in zip(texts, named, strict=True) if r < 0]
+        missing = [t for t in free if t not in self.entries]
+        if len(self.entries) + len(missing) > self.limit:
+            self.entries.clear()
+            missing = free
+        if missing:
+            vectors = self.encoder.encode(missing)  # (M, d)
+            sims, rows = search(self.bundle.index, vectors, 1)  # (M, 1)
+            self.searches += len(missing)
+            for j, text in enumerate(missing):
+                self.entries[text] = (vectors[j], int(rows[j, 0]), float(sims[j, 0]))
+        items = self.bundle.items.embeddings
+        got = [(items[r], int(r), 1.0) if r >= 0 else self.entries[t]
+               for t, r in zip(texts, named, strict=True)]
+        return (np.stack([g[0] for g in got]), np.array([g[1] for g in got], dtype=np.int64),
+                np.array([g[2] for g in got], dtype=np.float32))
+
+
+def resolve_samples(
+    cache: ResolutionCache, query_emb: np.ndarray, texts: list[str], k: int
+) -> dict[str, Any] | None:
+    """Embed and resolve one query's samples; drops samples with an empty slot."""
+    parsed = [parse_fanout(t, k) for t in texts]
+    keep = [i for i, p in enumerate(parsed) if all(p.subqueries)]
+    if not keep:
+        return None
+    subs = [s for i in keep for s in parsed[i].subqueries]
+    position = {text: j for j, text in enumerate(dict.fromkeys(subs))}
+    slot = np.array([position[s] for s in subs])  # (S·k,) into the distinct texts
+    vectors, rows, sims = cache.lookup(list(position), query_emb)  # (U, d), (U,), (U,)
+    probes = vectors[slot].reshape(len(keep), k, -1)  # (S, k, d)
+    rows = rows[slot].reshape(len(keep), k)  # (S, k)
+    target = cache.bundle.items.embeddings[rows]  # (S, k, d)
+    valid = np.stack([parsed[i].scored for i in keep])  # (S, k): the GRPO reward's slots
+    terms = reward_terms(query_emb, probes, valid, sims[slot].reshape(len(keep), k), target)
+    return {"keep": np.asarray(keep), "rows": rows, "target": target, "terms": terms,
+            "subs": [parsed[i].subqueries for i in keep]}
+
+
+def top_fraction(reward: np.ndarray, frac: float | None) -> np.ndarray:
+    """Indices of the best `frac` of samples by reward (all of them when frac is None)."""
+    if frac is None:
+        return np.arange(len(reward))
+    n = max(1, int(np.ceil(frac * len(reward))))
+    return np.sort(np.argsort(-reward, kind="stable")[:n])
+
+
+def synthesize_shard(
+    ctx: dict[str, Any], config: SynthesisConfig, shard: int, queries: list[int], path: Path
+) -> dict[str, float]:
+    """Sample, resolve and write one shard; returns its ledger entries."""
+    arrays: dict[str, list] = {k: [] for k in ("query_index", "rows", "target", "reward",
+                                               "ground", "diversity", "alignment")}
+    lines, tokens, samples, dropped = [], 0, 0, 0
+    searches_before = ctx["cache"].searches
+    for qi in queries:
+        texts, n_tok = ctx["sampler"].sample(ctx["prompts"][qi], ctx["samples"][qi],
+                                             config.temperature, ctx["max_new_tokens"],
+                                             config.seed * 1_000_003 + qi)
+        tokens, samples = tokens + n_tok, samples + len(texts)
+        got = resolve_samples(ctx["cache"], ctx["query_emb"][qi], texts, config.k)
+        if got is None:
+            dropped += len(texts)
+            continue
+        terms = got["terms"]
+        pick = top_fraction(terms.total, config.keep_top_frac)
+        dropped += len(texts) - len(pick)
+        arrays["query_index"].append(np.full(len(pick), qi, dtype=np.int64))
+        arrays["rows"].append(got["rows"][pick])
+        arrays["target"].append(got["target"][pick])
+        for name, values in (("reward", terms.total), ("ground", terms.ground),
+                             ("diversity", terms.diversity), ("alignment", terms.alignment)):
+            arrays[name].append(values[pick].astype(np.float32))
+        lines += [json.dumps({"query_index": qi, "subqueries": got["subs"][j]}) for j in pick]
+    save_shard(path, arrays, lines, config.k, ctx["dim"])
+    kept = sum(len(a) for a in arrays["query_index"])
+    return {"samples": samples, "kept": kept, "dropped": dropped, "tokens": tokens,
+            "retrieval_calls": ctx["cache"].searches - searches_before}
+
+
+def save_shard(path: Path, arrays: dict[str, list], lines: list[str], k: int, dim: int) -> None:
+    """Write <shard>.jsonl then <shard>.npz (the npz is the completion marker)."""
+    empty = {"query_index": (0,), "rows": (0, k), "target": (0, k, dim)}
+    data = {name: np.concatenate(parts) if parts else np.zeros(empty.get(name, (0,)))
+            for name, parts in arrays.items()}
+    data["rows"] = data["rows"].astype(np.int64)
+    data["query_index"] = data["query_index"].astype(np.int64)
+    data["target"] = data["target"].astype(np.float32)
+    path.with_suffix(".jsonl").write_text("".join(line + "\n" for line in lines))
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez(tmp, **data)
+    tmp.replace(path)
+
+
+def make_sampler(
+    config: SynthesisConfig, checkpoint: Path, run_dir: Path, names: list[str] | None = None
+) -> Sampler:
+    """The sampling backend; `names` (every catalog name) serve the "catalog" decoding."""
+    if config.backend == "local":
+        folder = run_dir / POLICY_ONNX
+        if not (folder / "folm.json").is_file():
+            from training.stage1_fanout.export import export_folder
+
+            export_folder(checkpoint, folder)
+        return OnnxSampler(folder, config.threads, config.decoding, names)
+    if config.backend == "torch":
+        return TorchSampler(checkpoint, config.k, config.decoding, names)
+    if config.backend == "http":
+        if not config.endpoint:
+            raise ValueError("the http backend needs --endpoint (e.g. http://127.0.0.1:8000)")
+        return HttpSampler(config.endpoint, config.model)
+    raise ValueError(f"unknown backend {config.backend!r}; use 'local', 'torch' or 'http'")
+
+
+def synthesize(
+    bundle_dir: Path, config: SynthesisConfig, checkpoint: Path, run_dir: Path | None = None,
+    queries: list[str] | None = None,
+) -> Path:
+    """Run (or resume) stage 2 into `run_dir`; returns it."""
+    from training.data.splits import query_texts, training_queries
+    from training.stage1_fanout.grpo import check_decoding
+    from training.stage1_fanout.policy import policy_meta
+
+    started = time.perf_counter()
+    if config.backend in ("local", "torch"):
+        import torch
+
+        torch.set_num_threads(config.threads)
+    run_dir = run_dir or bundle_dir / "runs" / SYNTHESIS_RUN
+    (run_dir / SHARDS).mkdir(parents=True, exist_ok=True)
+    bundle = load_bundle(bundle_dir)
+    if queries is None:
+        names = item_names(bundle.items.texts)
+        queries = training_queries(bundle_dir, names, config.extra_queries, config.seed)
+    n_train = len(query_texts(bundle_dir, "train"))
+    samples = [config.samples_per_query if i < n_train else config.extra_samples
+               for i in range(len(queries))]  # extra queries come after the train split's
+    policy = policy_meta(checkpoint).get("policy", {})
+    context = int(policy.get("context", 0))  # catalog names in each prompt, as trained
+    check_decoding(config.decoding, context)
+    record = {"stage": "synthesis", "config": asdict(config), "checkpoint": str(checkpoint),
+              "n_queries": len(queries), "context": context, "seed": config.seed,
+              "git_commit": git_commit()}
+    _check_resume(run_dir, record)
+    encoder = Encoder(bundle.encoder_config)
+    query_emb = encoder.encode(queries)  # (Q, d)
+    np.save(run_dir / "query_emb.npy", query_emb)
+    (run_dir / "queries.json").write_text(json.dumps(queries) + "\n")
+    budget = config.max_new_tokens or int(policy.get("max_new_tokens", 48))
+    prompts = PromptBuilder(bundle.index, bundle.items.texts, context).prompts(queries, query_emb)
+    catalog = item_names(bundle.items.texts) if config.decoding == "catalog" else None
+    ctx = {"sampler": make_sampler(config, checkpoint, run_dir, catalog),
+           "cache": ResolutionCache(bundle, encoder), "queries": queries, "prompts": prompts,
+           "query_emb": query_emb, "max_new_tokens": budget, "dim": encoder.dim,
+           "samples": samples}
+    ledger = _load_ledger(run_dir)
+    shards = [list(range(s, min(s + config.shard_queries, len(queries))))
+              for s in range(0, len(queries), config.shard_queries)]
+    bar = tqdm(total=sum(samples), desc="synthesis", unit="sample")
+    for number, shard in enumerate(shards):
+        path = run_dir / SHARDS / f"shard-{number:05d}.npz"
+        if path.is_file():
+            bar.update(sum(samples[q] for q in shard))
+            continue
+        began = time.perf_counter()
+        entry = synthesize_shard(ctx, config, number, shard, path)
+        entry["wall_s"] = time.perf_counter() - began
+        for key, value in entry.items():
+            ledger[key] = ledger.get(key, 0) + value
+        _write_ledger(run_dir, ledger)
+        bar.update(entry["samples"])
+        bar.set_postfix(samples_per_s=f"{entry['samples'] / max(entry['wall_s'], 1e-9):.0f}")
+    bar.close()
+    wall = time.perf_counter() - started
+    print(f"synthesis: {ledger.get('kept', 0):,} samples kept of {ledger.get('samples', 0):,}, "
+          f"{ledger.get('tokens', 0):,} tokens, wall {wall:.0f} s this run "
+          f"({ledger.get('wall_s', 0):.0f} s in shards overall) -> {run_dir}")
+    return run_dir
+
+
+def synthesis_stage_config(config: SynthesisConfig) -> dict[str, Any]:
+    """The config the `synthesis` stage is current by."""
+    return {"synthesis": asdict(config)}
+
+
+def commit_synthesis(bundle_dir: Path, config: SynthesisConfig, run_dir: Path) -> dict[str, Any]:
+    """Record stage 2 in the manifest (its dataset stays in `run_dir`: no bundle files), so
+    the stages that read it can tell when it changed; returns the manifest."""
+    key = synthesis_stage_config(config)
+    ledger = _load_ledger(run_dir)
+    if not ledger.get("kept"):
+        raise BundleError(f"{run_dir}: stage 2 kept no sample ({ledger}); nothing to train on")
+    record = {"config": key, "config_hash": config_hash(key), "ledger": ledger,
+              "run_dir": str(run_dir), "files": []}
+    manifest = read_manifest(bundle_dir)
+    with stage(bundle_dir, manifest, "synthesis", record):
+        pass
+    return manifest
+
+
+def _check_resume(run_dir: Path, record: dict[str, Any]) -> None:
+    """A run directory only resumes the same config; otherwise refuse rather than mix."""
+    path = run_dir / "config.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        same = {k: old.get(k) for k in ("config", "checkpoint", "n_queries", "context")}
+        if same != {k: record[k] for k in same}:
+            raise ValueError(f"{run_dir} holds a synthesis run with another config; "
+                             "choose another --run-dir or delete it")
+        return
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _load_ledger(run_dir: Path) -> dict[str, float]:
+    path = run_dir / "ledger.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _write_ledger(run_dir: Path, ledger: dict[str, float]) -> None:
+    ledger = {k: round(v, 2) if isinstance(v, float) else v for k, v in ledger.items()}
+    ledger["samples_per_s"] = round(ledger["samples"] / max(ledger["wall_s"], 1e-9), 1)
+    (run_dir / "ledger.json").write_text(json.dumps(ledger, indent=2) + "\n")
+
+
+def load_dataset(run_dir: Path, with_text: bool = False) -> SynthesisDataset:
+    """Concatenate the finished shards of a synthesis run."""
+    run_dir = Path(run_dir)
+    queries = json.loads((run_dir / "queries.json").read_text())
+    query_emb = np.load(run_dir / "query_emb.npy")  # (Q, d)
+    paths = sorted((run_dir / SHARDS).glob("shard-[0-9][0-9][0-9][0-9][0-9].npz"))
+    if not paths:
+        raise FileNotFoundError(f"{run_dir} has no finished shards: run `r4t synthesize`")
+    parts = [dict(np.load(p)) for p in paths]
+    cat = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    index = cat["query_index"].astype(np.int64)
+    subs = None
+    if with_text:
+        subs = [json.loads(line)["subqueries"] for p in paths
+                for line in p.with_suffix(".jsonl").read_text().splitlines() if line]
+    return SynthesisDataset(
+        queries=queries, query_emb=query_emb[index].astype(np.float32),
+        target_emb=cat["target"].astype(np.float32), target_rows=cat["rows"].astype(np.int64),
+        query_index=index, reward=cat["reward"].astype(np.float32),
+        terms={t: cat[t].astype(np.float32) for t in ("ground", "diversity", "alignment")},
+        subqueries=subs,
+    )
+
+
+def cmd_synthesize(args: argparse.Namespace) -> None:
+    config = replace(
+        SynthesisConfig(), samples_per_query=args.samples, temperature=args.temperature,
+        extra_queries=args.extra_queries, extra_samples=args.extra_samples,
+        backend=args.backend, endpoint=args.endpoint, model=args.model,
+        keep_top_frac=args.keep_top_frac, threads=args.threads, seed=args.seed,
+        decoding=args.decoding,
+    )
+    checkpoint = Path(args.checkpoint) if args.checkpoint else \
+        args.bundle / "runs" / "folm-all" / "final"
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    queries = None
+    if args.limit:
+        from training.data.splits import query_texts
+
+        queries = query_texts(args.bundle, "train")[: args.limit]
+    run_dir = synthesize(args.bundle, config, checkpoint, run_dir, queries)
+    if not (args.checkpoint or args.run_dir or args.limit):  # the bundle's own stage 2
+        commit_synthesis(args.bundle, config, run_dir)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """`r4t synthesize [--samples 128] [--temperature 0.9] [--backend local|http]`."""
+    syn = sub.add_parser("synthesize", help="stage 2: sample the frozen policy into a dataset")
+    syn.add_argument("--samples", type=int, default=128, help="samples per training query")
+    syn.add_argument("--extra-queries", type=int, default=SynthesisConfig.extra_queries,
+                     help="also sample this many catalog names (no val/test query) as queries")
+    syn.add_argument("--extra-samples", type=int, default=SynthesisConfig.extra_samples,
+                     help="samples per extra query")
+    syn.add_argument("--temperature", type=float, default=0.9)
+    syn.add_argument("--decoding", default=SynthesisConfig.decoding, choices=DECODINGS,
+                     help="how sampled lines are decoded (local/torch backends)")
+    syn.add_argument("--backend", default="local", choices=("local", "torch", "http"))
+    syn.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL (http)")
+    syn.add_argument("--model", default="folm", help="model name for the http backend")
+    syn.add_argument("--checkpoint", default=None, help="policy HF folder (runs/folm-all/final)")
+    syn.add_argument("--keep-top-frac", type=float, default=None,
+                     help="keep each query's best fraction by reward (default: keep all)")
+    syn.add_argument("--run-dir", default=None, help="default models/<bundle>/runs/synthesis")
+    syn.add_argument("--limit", type=int, default=None, help="first N training queries")
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--threads", type=int, default=1)
+    syn.set_defaults(func=cmd_synthesize)

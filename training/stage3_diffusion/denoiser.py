@@ -1,0 +1,297 @@
+"""The stage-3 denoiser D(x; σ, q): EDM preconditioning around a conditional transformer over
+a block of L item-embedding rows, with classifier-free guidance.
+
+`Denoiser` is the one module that training, the samplers and the ONNX export call. Its network
+is conditioned on the query embedding and the noise level by adaLN-Zero (DiT); the conditioning
+vector is also added to every row token, or the zero-initialised gates learn the query slowly.
+The rows are a set (no positions: the network is permutation-equivariant over them) unless
+`ordered`: then each row carries a learnt position and training sorts every target block by
+cosine to the query, so row i learns "the i-th nearest chosen item" and rows stop competing
+for one item.
+
+With a context (`context` = C > 0) the rows also cross-attend to C catalog items, best first,
+with a learnt rank embedding, so the network need not memorise the catalog's geometry.
+`context_source` says which items: "prompt", those the teacher's prompt names
+(service.fanout.grounding.PromptNeighbourhood), so the student chooses from the set its teacher
+chose
+from; or "nearest", the query's C nearest. CFG's null condition drops the query and the
+cross-attention.
+
+Rows vs slots: with L = k row i is slot i; with L > k training fills the extra rows with copies
+of items of the same block, and serving keeps the k rows that resolve most confidently.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+# Options of earlier configs whose other values were removed: their surviving value.
+REMOVED_OPTIONS: dict[str, str] = {"conditioning": "adaln", "head": "vector"}
+
+
+@dataclass(frozen=True)
+class DenoiserConfig:
+    dim: int = 128  # item/query embedding size d
+    rows: int = 10  # L, rows per generated block
+    k: int = 10  # items returned per query
+    hidden: int = 128
+    mlp: int = 512
+    layers: int = 4
+    heads: int = 4
+    sigma_min: float = 0.002
+    sigma_max: float = 1.0  # VE: large against the data's per-coordinate std, to swamp it
+    sigma_data: float = 1.0 / math.sqrt(128)  # unit-norm rows in d=128: per-coordinate std
+    cond_drop: float = 0.1  # condition dropout for classifier-free guidance
+    fourier: int = 64  # noise-level Fourier features
+    context: int = 0  # C, catalog items the rows cross-attend to; 0 = none
+    ordered: bool = False  # rows carry learnt positions; targets sorted by cosine to the query
+    # which C items: "nearest", the query's C nearest; "prompt", the C items the teacher's
+    # prompt names (service.fanout.grounding.PromptNeighbourhood)
+    context_source: str = "nearest"
+
+    def __post_init__(self) -> None:
+        if self.context_source not in ("nearest", "prompt"):
+            raise ValueError(f"context_source must be 'nearest' or 'prompt', "
+                             f"got {self.context_source!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """As a dict; the default context source is left out, so configs (and the hashes a
+        resumed run must match) written before that option existed stay the same."""
+        config = asdict(self)
+        if config["context_source"] == "nearest":
+            del config["context_source"]
+        return config
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> DenoiserConfig:
+        """The inverse of `to_dict`, also for configs that still name a removed option
+        (`conditioning`, `head`) at the one value that remains."""
+        config = dict(config)
+        for name, kept in REMOVED_OPTIONS.items():
+            value = config.pop(name, kept)
+            if value != kept:
+                raise ValueError(f"{name}={value!r} is no longer supported (only {kept!r}): "
+                                 "retrain the denoiser")
+        return cls(**config)
+
+
+PRESETS: dict[str, DenoiserConfig] = {
+    "paper": DenoiserConfig(hidden=1024, mlp=1024, layers=6, heads=16, rows=12),  # Table 3
+    # Sized for 2 CPU cores; the 16-item context matches the policy's prompt
+    # (PolicyConfig.context), whose items it attends to.
+    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=4, heads=4, context=16, ordered=True,
+                          context_source="prompt"),
+    "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
+}
+
+
+def preset(name: str, **overrides: Any) -> DenoiserConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown denoiser preset {name!r}; available: {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention over the rows (no mask, no positions)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape  # (B, L, hidden)
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, h // self.heads)  # (B, L, 3, H, Dh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, L, Dh)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(h // self.heads), dim=-1)
+        mixed = (weights @ v).transpose(1, 2).reshape(b, n, h)  # (B, L, hidden)
+        return self.out(mixed)
+
+
+# the context's keys and values (B, H, C, Dh) and the keep gate (B, 1, 1) or None (keep all)
+Memory = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class CrossAttention(nn.Module):
+    """Rows attend to the context's keys and values, (B, H, C, Dh) each, projected outside."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(hidden, eps=1e-6)
+        self.q = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.out.weight)  # starts as the identity, like the adaLN-Zero gates
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape  # (B, L, hidden)
+        q = self.q(self.norm(x)).reshape(b, n, self.heads, h // self.heads)  # (B, L, H, Dh)
+        q = q.transpose(1, 2)  # (B, H, L, Dh)
+        weights = torch.softmax(q @ keys.transpose(-1, -2) / math.sqrt(h // self.heads), dim=-1)
+        mixed = (weights @ values).transpose(1, 2).reshape(b, n, h)  # (B, L, hidden)
+        return self.out(mixed)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block with adaLN-Zero: LN shift/scale and residual gates come from c."""
+
+    def __init__(self, hidden: int, mlp: int, heads: int, cross: bool) -> None:
+        super().__init__()
+        self.cross = CrossAttention(hidden, heads) if cross else None
+        self.norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(hidden, heads)
+        self.mlp = nn.Sequential(nn.Linear(hidden, mlp), nn.GELU(approximate="tanh"),
+                                 nn.Linear(mlp, hidden))
+        self.modulation = nn.Linear(hidden, 6 * hidden)
+        nn.init.zeros_(self.modulation.weight)  # adaLN-Zero: every block starts as the identity
+        nn.init.zeros_(self.modulation.bias)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, memory: Memory | None = None
+                ) -> torch.Tensor:
+        """x (B, L, hidden), c (B, hidden); memory: the context's keys, values, keep gate."""
+        mod = self.modulation(nn.functional.silu(c))[:, None, :]  # (B, 1, 6·hidden)
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)  # each (B, 1, hidden)
+        x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1)
+        if self.cross is not None and memory is not None:
+            keys, values, keep = memory
+            attended = self.cross(x, keys, values)  # (B, L, hidden)
+            x = x + (attended if keep is None else keep * attended)
+        return x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)  # (B, L, hidden)
+
+
+class Denoiser(nn.Module):
+    """D_θ(x; σ, q) = c_skip·x + c_out·F_θ(c_in·x, c_noise, q): EDM preconditioning around the
+    set transformer F_θ (`network`), and classifier-free guidance (`guided`)."""
+
+    def __init__(self, config: DenoiserConfig) -> None:
+        super().__init__()
+        if config.hidden % config.heads:
+            raise ValueError("hidden must be divisible by heads")
+        if config.rows < config.k:
+            raise ValueError(f"rows L={config.rows} must be at least k={config.k}")
+        self.config = config
+        h = config.hidden
+        self.register_buffer("freqs", torch.exp(torch.linspace(0.0, math.log(1000.0),
+                                                               config.fourier // 2)))
+        self.noise_mlp = nn.Sequential(nn.Linear(config.fourier, h), nn.SiLU(), nn.Linear(h, h))
+        self.query_mlp = nn.Sequential(nn.Linear(config.dim, h), nn.SiLU(), nn.Linear(h, h))
+        self.null_query = nn.Parameter(torch.zeros(config.dim))  # the dropped condition
+        self.embed = nn.Linear(config.dim, h)
+        if config.ordered:
+            self.positions = nn.Parameter(0.02 * torch.randn(config.rows, h))  # (L, hidden)
+        self.blocks = nn.ModuleList(
+            Block(h, config.mlp, config.heads, config.context > 0) for _ in range(config.layers)
+        )
+        if config.context > 0:  # keys and values of the context, shared by every layer
+            self.memory = nn.Linear(config.dim, 2 * h)
+            self.rank = nn.Parameter(torch.zeros(config.context, 2 * h))  # (C, 2·hidden)
+        self.final_norm = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
+        self.final_mod = nn.Linear(h, 2 * h)
+        self.head = nn.Linear(h, config.dim)
+        for layer in (self.head, self.final_mod):  # zero-initialised: D starts as c_skip·x
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def preconditioning(self, sigma: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EDM (Karras et al. 2022, Table 1) c_skip, c_out, c_in, c_noise, each (B,), for σ (B,)."""
+        sigma_data = self.config.sigma_data
+        total = sigma**2 + sigma_data**2
+        c_skip = sigma_data**2 / total
+        c_out = sigma * sigma_data / total.sqrt()
+        c_in = 1.0 / total.sqrt()
+        c_noise = sigma.log() / 4.0
+        return c_skip, c_out, c_in, c_noise
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
+                keep: torch.Tensor | None = None,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+        """D (B, L, d) at noisy rows x (B, L, d), σ (B,), query (B, d), context (B, C, d) when
+        the model has one; keep (B,) is 1 to keep the condition, 0 for CFG's null one."""
+        c_skip, c_out, c_in, c_noise = self.preconditioning(sigma)
+        f = self.network(c_in[:, None, None] * x, c_noise, query, keep, context)  # (B, L, d)
+        return c_skip[:, None, None] * x + c_out[:, None, None] * f
+
+    def guided(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
+               cfg_weight: float, context: torch.Tensor | None = None) -> torch.Tensor:
+        """Classifier-free guidance, D = D_c + w·(D_c − D_u), with D_c and D_u from one batch
+        of 2B; w = 0 is the plain conditional model (one pass)."""
+        if cfg_weight == 0.0:
+            return self(x, sigma, query, context=context)
+        b = x.shape[0]
+        keep = torch.cat([torch.ones(b), torch.zeros(b)]).to(x)  # (2B,)
+        both_context = None if context is None else torch.cat([context, context])  # (2B, C, d)
+        both = self(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([query, query]),
+                    keep, both_context)  # (2B, L, d)
+        cond, uncond = both[:b], both[b:]
+        return cond + cfg_weight * (cond - uncond)
+
+    def network(self, x: torch.Tensor, c_noise: torch.Tensor, query: torch.Tensor,
+                keep: torch.Tensor | None = None,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+        """F_θ (B, L, d) of the scaled rows c_in·x (B, L, d) and c_noise (B,)."""
+        c = self.condition(c_noise, query, keep)  # (B, hidden)
+        memory = self.context_memory(context, keep)
+        # c enters every row token too: through the zero-initialised modulations alone the
+        # query is learnt slowly
+        h = self.embed(x) + c[:, None, :]  # (B, L, hidden)
+        if self.config.ordered:
+            h = h + self.positions  # (B, L, hidden)
+        for block in self.blocks:
+            h = block(h, c, memory)  # (B, L, hidden)
+        h = self.final_norm(h)
+        shift, scale = self.final_mod(nn.functional.silu(c))[:, None, :].chunk(2, dim=-1)
+        h = h * (1 + scale) + shift  # (B, L, hidden)
+        return self.head(h)  # (B, L, d)
+
+    def condition(self, c_noise: torch.Tensor, query: torch.Tensor,
+                  keep: torch.Tensor | None) -> torch.Tensor:
+        """c (B, hidden) = MLP(fourier(c_noise)) + MLP(query, or the null query where keep is 0)."""
+        angles = c_noise[:, None] * self.freqs[None, :]  # (B, F/2)
+        fourier = torch.cat([angles.cos(), angles.sin()], dim=-1)  # (B, F)
+        if keep is not None:
+            query = keep[:, None] * query + (1 - keep[:, None]) * self.null_query  # (B, d)
+        return self.noise_mlp(fourier) + self.query_mlp(query)  # (B, hidden)
+
+    def context_memory(self, context: torch.Tensor | None,
+                       keep: torch.Tensor | None) -> Memory | None:
+        """Keys, values (B, H, C, Dh) and keep gate (B, 1, 1) from context (B, C, d)."""
+        if self.config.context == 0:
+            return None
+        if context is None or context.shape[1:] != (self.config.context, self.config.dim):
+            got = None if context is None else tuple(context.shape)
+            raise ValueError(f"context must be (B, {self.config.context}, {self.config.dim}), "
+                             f"got {got}")
+        b, c, _ = context.shape
+        kv = self.memory(context) + self.rank  # (B, C, 2·hidden)
+        kv = kv.reshape(b, c, 2, self.config.heads, -1).permute(2, 0, 3, 1, 4)  # (2, B, H, C, Dh)
+        return kv[0], kv[1], None if keep is None else keep[:, None, None]  # gate (B, 1, 1)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_step(config: DenoiserConfig, cfg: bool = False) -> int:
+    """Multiply-adds ×2 of one denoiser evaluation for one query (×2 again with CFG).
+
+    Row-wise weights run once per row; the conditioning MLPs and adaLN modulations once per
+    query; attention adds 4·L²·hidden per layer, and the context (C items) a cross-attention
+    per layer plus one key/value projection per evaluation.
+    """
+    h, n, c = config.hidden, config.rows, config.context
+    layer = 4 * h * h + 2 * h * config.mlp + (2 * h * h if c else 0)
+    per_row = config.dim * h + h * config.dim + config.layers * layer
+    per_query = config.fourier * h + h * h + config.dim * h + h * h + c * config.dim * 2 * h
+    per_query += config.layers * 6 * h * h + 2 * h * h  # adaLN-Zero modulations
+    attention = config.layers * 2 * n * (n + c) * h
+    flops = 2 * (n * per_row + per_query + attention)
+    return flops * (2 if cfg else 1)

@@ -1,0 +1,370 @@
+"""Export the trained denoiser and its whole sampler to ONNX, into the bundle folder `diffusion/`.
+
+- `step.onnx`: one guided denoiser evaluation D(x; σ, q) (inputs x (B,L,d), sigma (B,),
+  query (B,d), and context (B,C,d) when the model has one; output denoised (B,L,d)), exported
+  by torch.onnx's dynamo exporter from `Denoiser.guided`, CFG folded in as
+  D = D_c + w·(D_c − D_u). Samplers with other schedules are composed from it.
+- `sampler.onnx`: the whole solver (inputs query (B,d), [context (B,C,d): the embeddings of C
+  catalog items, best first, per `context_source`], noise (B,L,d) standard normal; output rows
+  (B,L,d), unit-norm), composed from the step graph: either unrolled (one copy of the step's
+  nodes per evaluation, sharing the weights) or as an ONNX `Loop` whose body holds the step;
+  both run in one `session.run`. Several draws per query (`draws`) are not in the graph: the
+  service runs it over the batch repeated (`service.paths.diffusion.draw_rows`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from service.artifacts.bundle import config_hash, read_manifest, stage
+from service.errors import BundleError
+from service.runtime.sampler import CONTEXT_INPUT
+from training.stage3_diffusion.denoiser import (
+    PRESETS,
+    Denoiser,
+    DenoiserConfig,
+    count_params,
+    flops_per_step,
+)
+from training.stage3_diffusion.solvers import sample, sigma_schedule, solver_evaluations
+
+STAGE = "diffusion"
+CFG_FORMULA = "D = D_c + w·(D_c − D_u)"
+STEP_INPUTS = ("x", "sigma", "query")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """The served schedule, chosen on the val split (`r4t eval --steps-curve`): once the
+    denoiser sees the query's neighbourhood, guidance buys nothing measurable and doubles the
+    cost, and more Euler steps do not help; a second draw fills the rows of the first that
+    repeat an item."""
+
+    solver: str = "euler"
+    steps: int = 4
+    cfg_weight: float = 0.0
+    form: str = "unrolled"  # "unrolled" or "loop"
+    draws: int = 2  # blocks sampled per query; rows that repeat an item come from the next
+    parity_batch: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.draws < 1:
+            raise ValueError(f"draws must be at least 1, got {self.draws}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class GuidedStep(nn.Module):
+    """`Denoiser.guided` at a fixed w, as the exported step's forward: x (B,L,d), sigma (B,),
+    query (B,d) [, context (B,C,d)] → D (B,L,d)."""
+
+    def __init__(self, model: Denoiser, cfg_weight: float) -> None:
+        super().__init__()
+        self.model, self.cfg_weight = model, cfg_weight
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.guided(x, sigma, query, self.cfg_weight, context)
+
+
+def export_step(model: Denoiser, cfg_weight: float, path: Path) -> onnx.ModelProto:
+    """Dynamo export of one guided step with a dynamic batch axis."""
+    config = model.config
+    batch = torch.export.Dim("batch", min=1)
+    example: tuple[torch.Tensor, ...] = (torch.randn(3, config.rows, config.dim),
+                                         torch.rand(3) + 0.1, torch.randn(3, config.dim))
+    names = list(STEP_INPUTS)
+    if config.context:
+        example += (torch.randn(3, config.context, config.dim),)
+        names.append(CONTEXT_INPUT)
+    program = torch.onnx.export(
+        GuidedStep(model, cfg_weight).eval(), example, dynamo=True, optimize=True,
+        input_names=names, output_names=["denoised"],
+        dynamic_shapes=tuple({0: batch} for _ in example), verbose=False,
+    )
+    program.save(str(path))
+    return onnx.load(str(path))
+
+
+class GraphWriter:
+    """Appends nodes, constants and renamed copies of the step graph to a node list."""
+
+    def __init__(self, step: onnx.ModelProto, nodes: list[onnx.NodeProto], prefix: str) -> None:
+        self.step, self.nodes, self.prefix = step, nodes, prefix
+        self.shared = {init.name for init in step.graph.initializer}
+        self.count = 0
+
+    def name(self, hint: str) -> str:
+        self.count += 1
+        return f"{self.prefix}{hint}_{self.count}"
+
+    def op(self, op_type: str, inputs: list[str], **attrs: Any) -> str:
+        out = self.name(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        return out
+
+    def const(self, value: float | list[int], dtype: Any = np.float32) -> str:
+        out = self.name("const")
+        tensor = numpy_helper.from_array(np.asarray(value, dtype=dtype), out)
+        self.nodes.append(helper.make_node("Constant", [], [out], name=out, value=tensor))
+        return out
+
+    def denoise(self, x: str, sigma_b: str, query: str) -> str:
+        """Inline one copy of the step graph; returns the name of its `denoised` output."""
+        copy = self.name("step") + "."
+        bound = {"x": x, "sigma": sigma_b, "query": query}
+        if step_context(self.step):
+            # the sampler's own input of the same name (outer scope in a Loop body)
+            bound[CONTEXT_INPUT] = CONTEXT_INPUT
+
+        def rename(value: str) -> str:
+            if not value or value in self.shared:
+                return value
+            return bound.get(value, copy + value)
+
+        for node in self.step.graph.node:
+            clone = onnx.NodeProto()
+            clone.CopyFrom(node)
+            clone.name = copy + node.name
+            clone.input[:] = [rename(v) for v in node.input]
+            clone.output[:] = [rename(v) for v in node.output]
+            self.nodes.append(clone)
+        return rename(self.step.graph.output[0].name)
+
+
+def emit_step(w: GraphWriter, heun: bool, sigma: str, sigma_next: str, x: str, query: str,
+              batch: str) -> str:
+    """One solver step from noise level `sigma` to `sigma_next` (scalar tensors): Euler's
+    x + (σ' − σ)·(x − D(x; σ))/σ, plus Heun's correction with the slope at σ' when `heun`."""
+    delta = w.op("Sub", [sigma_next, sigma])
+    denoised = w.denoise(x, w.op("Expand", [sigma, batch]), query)  # (B, L, d)
+    slope = w.op("Div", [w.op("Sub", [x, denoised]), sigma])
+    x_euler = w.op("Add", [x, w.op("Mul", [slope, delta])])
+    if not heun:
+        return x_euler
+    denoised_next = w.denoise(x_euler, w.op("Expand", [sigma_next, batch]), query)
+    slope_next = w.op("Div", [w.op("Sub", [x_euler, denoised_next]), sigma_next])
+    mean_slope = w.op("Mul", [w.op("Add", [slope, slope_next]), w.const(0.5)])
+    return w.op("Add", [x, w.op("Mul", [mean_slope, delta])])
+
+
+def _loop(w: GraphWriter, step: onnx.ModelProto, heun: bool, sigmas: str, n: int, x: str,
+          query: str, batch: str) -> str:
+    """An ONNX Loop of n steps over the σ table `sigmas`; the body reads outer-scope weights."""
+    body_nodes: list[onnx.NodeProto] = []
+    body = GraphWriter(step, body_nodes, "loop.")
+    sigma = body.op("Gather", [sigmas, "iter"])
+    sigma_next = body.op("Gather", [sigmas, body.op("Add", ["iter", body.const(1, np.int64)])])
+    x_out = emit_step(body, heun, sigma, sigma_next, "x_in", query, batch)
+    body_nodes.append(helper.make_node("Identity", ["cond_in"], ["cond_out"]))
+    body_nodes.append(helper.make_node("Identity", [x_out], ["x_out"]))
+    x_type = helper.make_tensor_value_info("x_in", TensorProto.FLOAT, None)
+    graph = helper.make_graph(
+        body_nodes, "solver_step",
+        [helper.make_tensor_value_info("iter", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []), x_type],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_out", TensorProto.FLOAT, None)],
+    )
+    trip = w.const(n, np.int64)
+    out = w.name("loop")
+    w.nodes.append(helper.make_node("Loop", [trip, "", x], [out], name=out, body=graph))
+    return out
+
+
+def step_context(step: onnx.ModelProto) -> int:
+    """C of the step graph's `context` input (B, C, d); 0 when it has none."""
+    for value in step.graph.input:
+        if value.name == CONTEXT_INPUT:
+            return int(value.type.tensor_type.shape.dim[1].dim_value)
+    return 0
+
+
+def sampler_inputs(rows: int, dim: int, context: int) -> list[onnx.ValueInfoProto]:
+    """query (B, d) [, context (B, C, d)], noise (B, L, d)."""
+    inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, ["batch", dim])]
+    if context:
+        inputs.append(helper.make_tensor_value_info(CONTEXT_INPUT, TensorProto.FLOAT,
+                                                    ["batch", context, dim]))
+    inputs.append(helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["batch", rows, dim]))
+    return inputs
+
+
+def compose_sampler(step: onnx.ModelProto, rows: int, dim: int, solver: str, steps: int,
+                    sigma_min: float, sigma_max: float, form: str = "unrolled") -> onnx.ModelProto:
+    """The whole solver as one graph: query (B,d) [, context (B,C,d) when the step graph takes
+    one], noise (B,L,d) → rows (B,L,d), unit-norm."""
+    if form not in ("unrolled", "loop"):
+        raise ValueError(f"form must be 'unrolled' or 'loop', got {form!r}")
+    solver_evaluations(solver, steps)  # validates the solver name
+    schedule = sigma_schedule(steps, sigma_min, sigma_max)
+    nodes: list[onnx.NodeProto] = []
+    w = GraphWriter(step, nodes, "sampler.")
+    batch = w.op("Shape", ["query"], start=0, end=1)  # (1,) = [B]
+    x = w.op("Mul", ["noise", w.const(schedule[0])])  # (B, L, d)
+    heun = solver == "heun"
+    initializers = list(step.graph.initializer)
+    if form == "loop":
+        table = numpy_helper.from_array(np.asarray(schedule, np.float32), "sampler.sigmas")
+        initializers.append(table)
+        looped = steps - 1 if heun else steps  # Heun's last step (to σ = 0) is Euler
+        x = _loop(w, step, heun, table.name, looped, x, "query", batch) if looped else x
+        pairs = list(pairwise(schedule[looped:]))
+    else:
+        pairs = list(pairwise(schedule))
+    for sigma, sigma_next in pairs:
+        x = emit_step(w, heun and sigma_next > 0, w.const(sigma), w.const(sigma_next), x,
+                      "query", batch)
+    norm = w.op("Sqrt", [w.op("ReduceSum", [w.op("Mul", [x, x]), w.const([-1], np.int64)],
+                              keepdims=1)])
+    nodes.append(helper.make_node("Div", [x, w.op("Max", [norm, w.const(1e-12)])], ["rows"],
+                                  name="sampler.unit_rows"))
+    graph = helper.make_graph(
+        nodes, f"{solver}_{steps}_{form}", sampler_inputs(rows, dim, step_context(step)),
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["batch", rows, dim])],
+        initializer=initializers,
+    )
+    model = helper.make_model(graph, opset_imports=list(step.opset_import),
+                              producer_name="r4t")
+    model.ir_version = step.ir_version
+    onnx.checker.check_model(model)
+    return model
+
+
+def preset_name(model: Denoiser) -> str:
+    return next((name for name, cfg in PRESETS.items() if cfg == model.config), "custom")
+
+
+def parity(model: Denoiser, sampler: onnx.ModelProto, config: ExportConfig) -> float:
+    """Max |ONNX − PyTorch| over a batch of random unit queries with fixed noise."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(config.seed)
+    mc = model.config
+    query = rng.standard_normal((config.parity_batch, mc.dim)).astype(np.float32)
+    query /= np.linalg.norm(query, axis=1, keepdims=True)
+    noise = rng.standard_normal((config.parity_batch, mc.rows, mc.dim)).astype(np.float32)
+    feeds = {"query": query, "noise": noise}
+    context = None
+    if mc.context:  # unit rows, like the catalog embeddings served
+        rows = rng.standard_normal((config.parity_batch, mc.context, mc.dim)).astype(np.float32)
+        feeds[CONTEXT_INPUT] = rows / np.linalg.norm(rows, axis=-1, keepdims=True)
+        context = torch.from_numpy(feeds[CONTEXT_INPUT])
+    session = ort.InferenceSession(sampler.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    onnx_rows = session.run(["rows"], feeds)[0]
+    torch_rows = sample(model, torch.from_numpy(query), config.solver, config.steps,
+                        config.cfg_weight, noise=torch.from_numpy(noise),
+                        context=context).numpy()
+    return float(np.abs(onnx_rows - torch_rows).max())
+
+
+def sampler_evaluations_flops(config: dict[str, Any], solver: str, steps: int) -> tuple[int, int]:
+    """(denoiser evaluations, FLOPs) per query of a schedule, from a `diffusion.json` dict."""
+    nfe = solver_evaluations(solver, steps)
+    guided = float(config["cfg_weight"]) != 0.0
+    draws = int(config.get("draws", 1))
+    return nfe, draws * nfe * flops_per_step(DenoiserConfig.from_dict(config["model"]),
+                                                 cfg=guided)
+
+
+def sampler_config(model: Denoiser, config: ExportConfig) -> dict[str, Any]:
+    """The serving side's `diffusion.json` (everything but the training ledger)."""
+    mc = model.config
+    nfe = solver_evaluations(config.solver, config.steps)
+    return {
+        "rows": mc.rows, "k": mc.k, "dim": mc.dim, "context": mc.context,
+        "context_source": mc.context_source,
+        "solver": config.solver,
+        "steps": config.steps, "evaluations": nfe, "form": config.form,
+        "cfg_weight": config.cfg_weight, "cfg_formula": CFG_FORMULA,
+        "sigma_min": mc.sigma_min, "sigma_max": mc.sigma_max, "sigma_data": mc.sigma_data,
+        "schedule": "EDM, rho=7, final sigma 0", "output": "unit-norm rows",
+        "params": count_params(model), "preset": preset_name(model),
+        "draws": config.draws,
+        "flops_per_query": config.draws * nfe * flops_per_step(mc, cfg=config.cfg_weight != 0),
+        "sampler_file": "sampler.onnx", "step_file": "step.onnx", "model": mc.to_dict(),
+    }
+
+
+def write_sampler(model: Denoiser, config: ExportConfig, out_dir: Path) -> dict[str, Any]:
+    """Write step.onnx, sampler.onnx and diffusion.json into `out_dir`; check parity."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mc = model.config
+    step = export_step(model, config.cfg_weight, out_dir / "step.onnx")
+    sampler = compose_sampler(step, mc.rows, mc.dim, config.solver, config.steps,
+                              mc.sigma_min, mc.sigma_max, config.form)
+    onnx.save(sampler, str(out_dir / "sampler.onnx"))
+    diff = parity(model, sampler, config)
+    if not diff < 1e-3:
+        raise RuntimeError(f"ONNX sampler differs from PyTorch by {diff:.2e} (limit 1e-3)")
+    meta = {**sampler_config(model, config), "parity_max_abs_diff": diff}
+    (out_dir / "diffusion.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def diffusion_stage_config(config: ExportConfig, train_config_hash: str) -> dict[str, Any]:
+    """The config the diffusion stage is current by: the export's and the training's hash."""
+    return {"export": config.to_dict(), "train_config_hash": train_config_hash}
+
+
+def export_diffusion(bundle_dir: Path, checkpoint: Path, config: ExportConfig) -> dict[str, Any]:
+    """Export the checkpoint's EMA weights and commit `diffusion/` into the bundle."""
+    from training.stage3_diffusion.trainer import CURVE_FILE, LOSS_FILE, load_ema
+
+    began = time.perf_counter()
+    manifest = read_manifest(bundle_dir)
+    model, meta = load_ema(checkpoint)
+    stage_config = diffusion_stage_config(config, meta["config_hash"])
+    record = {"config": stage_config, "config_hash": config_hash(stage_config),
+              "seed": config.seed}
+    with stage(bundle_dir, manifest, STAGE, record) as staged:
+        sampler_meta = write_sampler(model, config, staged / STAGE)
+        training = _training_summary(checkpoint.parent / LOSS_FILE, meta)
+        (staged / STAGE / "training.json").write_text(json.dumps(training, indent=2) + "\n")
+        files = [f"{STAGE}/{name}" for name in
+                 ("step.onnx", "sampler.onnx", "diffusion.json", "training.json")]
+        if (checkpoint.parent / CURVE_FILE).is_file():
+            shutil.copy(checkpoint.parent / CURVE_FILE, staged / STAGE / CURVE_FILE)
+            files.append(f"{STAGE}/{CURVE_FILE}")
+        record.update(files=files, wall_s=round(time.perf_counter() - began, 1),
+                      sampler={k: v for k, v in sampler_meta.items() if k != "model"},
+                      ledger=training.get("ledger", {}))
+    return sampler_meta
+
+
+def _training_summary(loss_file: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """The training ledger and curve (from loss.json when present) plus checkpoint metadata."""
+    summary = json.loads(loss_file.read_text()) if loss_file.is_file() else {}
+    summary.update({"checkpoint_step": meta["step"], "checkpoint_git_commit": meta["git_commit"]})
+    summary.setdefault("config", meta["config"])
+    summary.setdefault("ledger", {"steps": meta["step"], "wall_s": meta["wall_s"]})
+    return summary
+
+
+def cmd_export_diffusion(args: argparse.Namespace) -> None:
+    from training.commands import given
+    from training.stage3_diffusion.trainer import CHECKPOINT, RUN_NAME
+
+    checkpoint = args.checkpoint or args.bundle / "runs" / RUN_NAME / CHECKPOINT
+    if not checkpoint.is_file():
+        raise BundleError(f"no checkpoint at {checkpoint}: run `r4t train diffusion` first")
+    config = ExportConfig(**given(args, "solver", "steps", "cfg_weight", "form", "draws",
+                                  "parity_batch"))
+    meta = export_diffusion(args.bundle, checkpoint, config)
+    print(json.dumps({k: v for k, v in meta.items() if k != "model"}, indent=2))

@@ -1,0 +1,367 @@
+"""Training the stage-3 denoiser on the stage-2 dataset (query embedding → block of k items).
+
+Denoising score matching on `Denoiser`'s output with EDM's loss weighting and log-normal noise
+levels, AdamW, EMA weights, linear warm-up then cosine decay, and condition dropout for
+classifier-free guidance. A denoiser with a context also gets, per block, C catalog items: its
+query's nearest, or those its teacher's prompt named (`context_source`; `block_neighbourhood`,
+the same lookup the service makes). Checkpoints land in `models/<bundle>/runs/diffusion/` and
+a run resumes from its checkpoint when its config matches. Outputs next to the checkpoint:
+`loss.json` (curve + ledger), `loss_curve.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from service.artifacts.bundle import config_hash, git_commit
+from service.errors import BundleError
+from service.fanout.grounding import PromptNeighbourhood
+from service.runtime.index import neighbour_rows
+from training.stage3_diffusion.denoiser import Denoiser, DenoiserConfig, count_params, preset
+
+RUN_NAME = "diffusion"
+CHECKPOINT = "checkpoint.pt"
+LOSS_FILE = "loss.json"
+CURVE_FILE = "loss_curve.png"
+
+
+class BlockDataset(Protocol):
+    """What training needs of `training.stage2_synthesis.synthesis.SynthesisDataset` (stage 2)."""
+
+    queries: list[str]
+    query_emb: np.ndarray  # (N, d) float32
+    target_emb: np.ndarray  # (N, k, d) float32
+    query_index: np.ndarray  # (N,) int64 into `queries`
+
+
+@dataclass(frozen=True)
+class Neighbourhood:
+    """The denoiser's context for every block: its query's C nearest catalog rows, best first."""
+
+    rows: np.ndarray  # (N, C) int64 into `embeddings`
+    embeddings: np.ndarray  # (M, d) float32, the catalog
+
+    def of(self, picks: np.ndarray) -> torch.Tensor:
+        """(B, C, d) context embeddings of the blocks `picks`."""
+        return torch.from_numpy(np.ascontiguousarray(self.embeddings[self.rows[picks]],
+                                                     dtype=np.float32))
+
+
+def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, n: int,
+                        prompt: PromptNeighbourhood | None = None) -> Neighbourhood:
+    """Look each distinct query up once (its n nearest items, or with `prompt` the n items its
+    prompt names); blocks of one query share its context."""
+    _, first, inverse = np.unique(data.query_emb, axis=0, return_index=True,
+                                  return_inverse=True)
+    if prompt is None:
+        rows = neighbour_rows(index, data.query_emb[first], n)  # (U, C)
+    else:
+        texts = [data.queries[int(data.query_index[i])] for i in first]
+        rows = prompt.rows(texts, data.query_emb[first])  # (U, C)
+    return Neighbourhood(rows[inverse.reshape(-1)], embeddings)  # rows (N, C)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: DenoiserConfig
+    steps: int = 5000
+    batch: int = 256
+    lr: float = 2e-3
+    warmup: int = 300
+    weight_decay: float = 0.01
+    ema_decay: float = 0.999
+    p_mean: float = math.log(0.6 / math.sqrt(128))  # EDM's ln σ ~ N(P_mean, P_std²), rescaled
+    p_std: float = 1.2
+    checkpoint_every: int = 500
+    log_every: int = 25
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"model": self.model.to_dict()}  # model: defaults left out
+
+
+TRAIN_PRESETS: dict[str, TrainConfig] = {
+    "paper": TrainConfig(model=preset("paper"), steps=10_000_000, batch=512, lr=1e-4,
+                         warmup=5000, checkpoint_every=1000),
+    "cpu": TrainConfig(model=preset("cpu"), steps=4500),  # fits the 20-minute CPU budget
+    "tiny": TrainConfig(model=preset("tiny"), steps=20, batch=16, warmup=2,
+                        checkpoint_every=10, log_every=5),
+}
+
+
+def train_preset(name: str, **overrides: Any) -> TrainConfig:
+    if name not in TRAIN_PRESETS:
+        raise ValueError(f"unknown training preset {name!r}; available: {sorted(TRAIN_PRESETS)}")
+    return replace(TRAIN_PRESETS[name], **overrides)
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up to 1 over `warmup` steps, then cosine decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(total - warmup, 1)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def rows_from_block(target: torch.Tensor, rows: int, generator: torch.Generator) -> torch.Tensor:
+    """(B, k, d) → (B, L, d): L = k as is; L > k appends copies of random items of the block."""
+    b, k, _ = target.shape
+    if rows == k:
+        return target
+    extra = torch.randint(0, k, (b, rows - k), generator=generator)  # (B, L − k)
+    return torch.cat([target, torch.gather(target, 1, extra[..., None].expand(-1, -1,
+                                                                           target.shape[2]))], 1)
+
+
+def dsm_loss(model: Denoiser, query: torch.Tensor, target: torch.Tensor,
+             config: TrainConfig, generator: torch.Generator,
+             context: torch.Tensor | None = None) -> torch.Tensor:
+    """EDM loss E_σ λ(σ)‖D(x + σn; σ, q) − x‖², λ = (σ² + σ_d²)/(σ·σ_d)², for query (B, d),
+    target rows (B, L, d) and context (B, C, d) or None.
+
+    ln σ ~ N(P_mean, P_std²); the query is replaced by the null condition with p = cond_drop.
+    """
+    b = target.shape[0]
+    sigma = torch.exp(config.p_mean + config.p_std * torch.randn(b, generator=generator))  # (B,)
+    noisy = target + sigma[:, None, None] * torch.randn(target.shape, generator=generator)
+    keep = (torch.rand(b, generator=generator) >= config.model.cond_drop).float()  # (B,)
+    denoised = model(noisy, sigma, query, keep, context)  # (B, L, d)
+    sd = config.model.sigma_data
+    weight = (sigma**2 + sd**2) / (sigma * sd) ** 2  # (B,)
+    per_block = ((denoised - target) ** 2).mean(dim=(1, 2))  # (B,)
+    return (weight * per_block).mean()  # = E‖F − F*‖², O(1) by construction
+
+
+@dataclass
+class TrainState:
+    model: Denoiser
+    ema: Denoiser
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator
+    step: int = 0
+    wall_s: float = 0.0
+    curve: list[tuple[int, float]] | None = None
+
+
+def new_state(config: TrainConfig) -> TrainState:
+    torch.manual_seed(config.seed)
+    model = Denoiser(config.model)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.99),
+                                  weight_decay=config.weight_decay)
+    generator = torch.Generator().manual_seed(config.seed)
+    return TrainState(model, ema, optimizer, generator, curve=[])
+
+
+def save_checkpoint(state: TrainState, config: TrainConfig, path: Path) -> None:
+    """Atomic write (temp file then rename) so an interrupted save leaves the last good one."""
+    payload = {
+        "config": config.to_dict(), "config_hash": config_hash(config.to_dict()),
+        "model": state.model.state_dict(), "ema": state.ema.state_dict(),
+        "optimizer": state.optimizer.state_dict(), "generator": state.generator.get_state(),
+        "step": state.step, "wall_s": state.wall_s, "curve": state.curve,
+        "git_commit": git_commit(),
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def load_state(config: TrainConfig, path: Path) -> TrainState:
+    """Resume from `path`; refuse a checkpoint written under another config."""
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    if stored_config_hash(payload["config"]) != config_hash(config.to_dict()):
+        raise ValueError(f"{path} was trained with another config; pass --fresh to restart")
+    state = new_state(config)
+    state.model.load_state_dict(payload["model"])
+    state.ema.load_state_dict(payload["ema"])
+    state.optimizer.load_state_dict(payload["optimizer"])
+    state.generator.set_state(payload["generator"])
+    state.step, state.wall_s, state.curve = payload["step"], payload["wall_s"], payload["curve"]
+    return state
+
+
+def stored_config_hash(stored: dict[str, Any]) -> str:
+    """The hash of a checkpoint's `config` as written today (without the removed options a
+    checkpoint of an earlier version still names)."""
+    model = DenoiserConfig.from_dict(stored["model"]).to_dict()
+    return config_hash({**stored, "model": model})
+
+
+def load_ema(path: Path) -> tuple[Denoiser, dict[str, Any]]:
+    """The EMA weights of a checkpoint, in eval mode, and the checkpoint's metadata."""
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    model = Denoiser(DenoiserConfig.from_dict(payload["config"]["model"]))
+    model.load_state_dict(payload["ema"])
+    meta = {key: payload[key] for key in ("config", "config_hash", "step", "wall_s",
+                                          "git_commit")}
+    return model.eval(), meta
+
+
+def train_step(state: TrainState, config: TrainConfig, query: torch.Tensor,
+               target: torch.Tensor, context: torch.Tensor | None = None) -> float:
+    """One AdamW step on one batch, then the EMA update; returns the batch loss."""
+    for group in state.optimizer.param_groups:
+        group["lr"] = config.lr * lr_factor(state.step, config.warmup, config.steps)
+    state.model.train()
+    loss = dsm_loss(state.model, query, target, config, state.generator, context)
+    state.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(state.model.parameters(), 1.0)
+    state.optimizer.step()
+    decay = min(config.ema_decay, (1 + state.step) / (10 + state.step))  # EMA warm-up
+    with torch.no_grad():
+        for ema_p, p in zip(state.ema.parameters(), state.model.parameters(), strict=True):
+            ema_p.lerp_(p, 1.0 - decay)
+    state.step += 1
+    return float(loss.detach())
+
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def batch_of(data: BlockDataset, config: TrainConfig, generator: torch.Generator,
+             context: Neighbourhood | None = None) -> Batch:
+    """Uniform random blocks (with replacement): query (B, d), target (B, L, d) and, with a
+    neighbourhood, context (B, C, d)."""
+    picks = torch.randint(0, len(data.query_emb), (config.batch,), generator=generator).numpy()
+    query = torch.from_numpy(np.ascontiguousarray(data.query_emb[picks], dtype=np.float32))
+    target = torch.from_numpy(np.ascontiguousarray(data.target_emb[picks], dtype=np.float32))
+    if config.model.ordered:
+        target = sorted_by_query(target, query)
+    rows = rows_from_block(target, config.model.rows, generator)  # (B, L, d)
+    return query, rows, None if context is None else context.of(picks)
+
+
+def sorted_by_query(target: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """(B, k, d) blocks with their items sorted by cosine to the query (B, d), best first."""
+    order = torch.argsort(-(target @ query[:, :, None])[..., 0], dim=1, stable=True)  # (B, k)
+    return torch.gather(target, 1, order[..., None].expand(-1, -1, target.shape[2]))
+
+
+def ledger(state: TrainState, config: TrainConfig, data: BlockDataset) -> dict[str, Any]:
+    samples = state.step * config.batch
+    return {
+        "steps": state.step, "batch": config.batch, "samples_seen": samples,
+        "epochs": samples / max(len(data.query_emb), 1), "blocks": len(data.query_emb),
+        "wall_s": round(state.wall_s, 1), "params": count_params(state.model),
+    }
+
+
+def train(data: BlockDataset, config: TrainConfig, run_dir: Path, fresh: bool = False,
+          progress: bool = True, until: int | None = None,
+          context: Neighbourhood | None = None) -> dict[str, Any]:
+    """Train (or resume) to `config.steps` (or stop at step `until` with a checkpoint, to
+    resume later); returns the summary also written to loss.json. A model with a context
+    needs the blocks' `neighbourhood`."""
+    if config.model.context and context is None:
+        raise ValueError(f"the model attends to {config.model.context} catalog neighbours: "
+                         "pass the blocks' neighbourhood")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / CHECKPOINT
+    state = load_state(config, path) if path.is_file() and not fresh else new_state(config)
+    window: list[float] = []
+    bar = tqdm(total=config.steps, initial=state.step, desc="train diffusion", unit="step",
+               disable=not progress)
+    last = min(config.steps, until or config.steps)
+    while state.step < last:
+        began = time.perf_counter()
+        query, target, neighbours = batch_of(data, config, state.generator, context)
+        window.append(train_step(state, config, query, target, neighbours))
+        state.wall_s += time.perf_counter() - began
+        bar.update(1)
+        if state.step % config.log_every == 0 or state.step == last:
+            state.curve.append((state.step, float(np.mean(window))))
+            bar.set_postfix(loss=f"{state.curve[-1][1]:.4f}")
+            window = []
+        if state.step % config.checkpoint_every == 0 or state.step == last:
+            save_checkpoint(state, config, path)
+    bar.close()
+    summary = {"config": config.to_dict(), "config_hash": config_hash(config.to_dict()),
+               "seed": config.seed, "git_commit": git_commit(),
+               "ledger": ledger(state, config, data), "curve": state.curve}
+    (run_dir / LOSS_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    plot_curve(state.curve or [], run_dir / CURVE_FILE)
+    return summary
+
+
+def plot_curve(curve: list[tuple[int, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if curve:
+        steps, losses = zip(*curve, strict=True)
+        ax.plot(steps, losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("EDM-weighted DSM loss")
+    ax.set_yscale("log")
+    ax.set_title("diffusion training loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def prompt_context(dataset_dir: Path, n: int) -> None:
+    """Refuse a prompt-sourced context of n items when the stage-2 run's prompts named another
+    number (its config.json `context`): the student would not see what its teacher saw."""
+    path = Path(dataset_dir) / "config.json"
+    named = json.loads(path.read_text()).get("context") if path.is_file() else None
+    if named is not None and int(named) != n:
+        raise BundleError(f"the teacher's prompts named {named} items ({path}) but the "
+                          f"denoiser's context is {n}: they must match for "
+                          "context_source='prompt'")
+
+
+def train_on_bundle(bundle_dir: Path, config: TrainConfig, dataset_dir: Path | None = None,
+                    run_dir: Path | None = None, fresh: bool = False) -> dict[str, Any]:
+    """Train (or resume) on the bundle's stage-2 dataset (default <bundle>/runs/synthesis) into
+    `run_dir` (default <bundle>/runs/diffusion), with the context the model attends to."""
+    from service.artifacts.bundle import load_bundle
+    from training.stage2_synthesis.synthesis import load_dataset
+
+    dataset_dir = dataset_dir or bundle_dir / "runs" / "synthesis"
+    try:
+        data = load_dataset(dataset_dir)
+    except FileNotFoundError as exc:
+        raise BundleError(f"no stage-2 dataset: {exc} (run `r4t synthesize` first)") from exc
+    context, n = None, config.model.context
+    if n:
+        bundle = load_bundle(bundle_dir)
+        prompt = None
+        if config.model.context_source == "prompt":
+            prompt_context(dataset_dir, n)
+            prompt = PromptNeighbourhood(bundle.index, bundle.items.texts,
+                                         bundle.items.embeddings, n)
+        context = block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt)
+    run_dir = run_dir or bundle_dir / "runs" / RUN_NAME
+    return train(data, config, run_dir, fresh=fresh, context=context)
+
+
+def cmd_train_diffusion(args: argparse.Namespace) -> None:
+    from training.commands import given
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = train_preset(args.preset, **given(args, "steps", "batch", "lr", "seed"))
+    model = given(args, "context_source")
+    if model:
+        config = replace(config, model=replace(config.model, **model))
+    run_dir = args.run_dir or args.bundle / "runs" / RUN_NAME
+    summary = train_on_bundle(args.bundle, config, args.dataset, run_dir, fresh=args.fresh)
+    print(json.dumps(summary["ledger"], indent=2))
+    print(f"checkpoint, loss.json and loss_curve.png in {run_dir}")
