@@ -52,8 +52,9 @@ overload: bundle
 lint: install
 	$(VENV)/bin/ruff check .
 
+# One worker per core, a test file per worker (its module fixtures build once).
 test: lint
-	$(VENV)/bin/pytest tests
+	$(VENV)/bin/pytest tests -n auto --dist loadfile
 
 clean-bundle:
 	rm -rf $(BUNDLE)

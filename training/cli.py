@@ -49,6 +49,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from training.evaluation.fanout import FANOUT_METHODS
     from training.evaluation.harness import METHODS, evaluate, results_table, write_report
 
+    if args.ceilings:
+        from training.evaluation.ceilings import run_ceilings
+
+        run_ceilings(args.bundle, args.split)
+        return
     if args.steps_curve:
         from training.evaluation.steps_curve import run_steps_curve
 
@@ -105,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ONNX Runtime threads of model methods (0 = all cores)")
     ev.add_argument("--steps-curve", action="store_true",
                     help="diffusion quality and ms/query for 4-256 solver steps instead")
+    ev.add_argument("--ceilings", action="store_true",
+                    help="label ceilings of the candidate sources (dense, lexical, hybrid) "
+                         "instead")
     ev.set_defaults(func=cmd_eval)
 
     table = sub.add_parser("table", help="print the bundle's evaluation table")

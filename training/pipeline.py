@@ -44,6 +44,7 @@ from service.artifacts.bundle import (
     write_json_atomic,
 )
 from service.artifacts.items import ItemStore
+from service.artifacts.lexical import LEXICAL_FILE, TOKENIZER, build_lexical_index
 from service.errors import BundleError
 from service.runtime.encoder import Encoder, EncoderConfig
 from service.runtime.index import build_index, save_index
@@ -59,7 +60,7 @@ if TYPE_CHECKING:  # stages 1-3 import torch: only when they are built
 
 MODELS_DIR = Path("models")
 EMBED_CHUNK = 4096
-CATALOG_STAGES = ("catalog", "benchmark")
+CATALOG_STAGES = ("catalog", "lexical", "benchmark")
 PIPELINE = (*CATALOG_STAGES, "folm-warmstart", "folm", "synthesis", "diffusion")
 BUNDLE_PRESETS = ("cpu", "tiny")
 RUN_KEY = "build-key.json"  # in a stage's run folder: the config and inputs it was started for
@@ -75,6 +76,8 @@ class CatalogConfig:
     index_factory: str | None = None  # None = exact inner product ("Flat")
     seed: int = 0
 
+
+LEXICAL_KEY: dict[str, Any] = {"engine": "sqlite-fts5", "tokenize": TOKENIZER}
 
 CATALOG_PRESETS: dict[str, CatalogConfig] = {"default": CatalogConfig()}
 
@@ -111,7 +114,8 @@ def stage_configs(preset: str = "cpu") -> StageConfigs:
 def stage_keys(catalog: CatalogConfig, configs: StageConfigs | None = None) -> dict[str, dict]:
     """{stage: the config its record's config_hash must be the hash of}, in build order;
     the catalog stages alone without `configs`."""
-    keys: dict[str, dict] = {"catalog": _catalog_key(catalog), "benchmark": _benchmark_key(catalog)}
+    keys: dict[str, dict] = {"catalog": _catalog_key(catalog), "lexical": LEXICAL_KEY,
+                             "benchmark": _benchmark_key(catalog)}
     if configs is not None:
         from training.stage1_fanout.export import policy_stage_config
         from training.stage2_synthesis.synthesis import synthesis_stage_config
@@ -321,6 +325,23 @@ def _build_catalog(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
+def lexical_stage(bundle_dir: Path, manifest: dict, texts: list[str]) -> None:
+    """Index the item texts for BM25 search (service.artifacts.lexical)."""
+    started = time.perf_counter()
+    record: dict[str, Any] = {}
+    with stage(bundle_dir, manifest, "lexical", record) as staged, \
+            tqdm(total=1, desc="lexical index (FTS5)") as bar:
+        build_lexical_index(staged / LEXICAL_FILE, texts)
+        bar.update(1)
+        record.update(_stage_record(LEXICAL_KEY, started, n_items=len(texts)),
+                      files=[LEXICAL_FILE])
+
+
+def _build_lexical(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
+    lexical_stage(build.bundle_dir, manifest, ItemStore.load(build.bundle_dir).texts)
+    return manifest
+
+
 def _build_benchmark(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     benchmark_stage(build.bundle_dir, manifest, build.catalog_config, build.catalog)
     return manifest
@@ -387,7 +408,7 @@ def _build_diffusion(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 BUILDERS: dict[str, Callable[[_Build, dict[str, Any]], dict[str, Any]]] = {
-    "catalog": _build_catalog, "benchmark": _build_benchmark,
+    "catalog": _build_catalog, "lexical": _build_lexical, "benchmark": _build_benchmark,
     "folm-warmstart": _build_warmstart, "folm": _build_folm,
     "synthesis": _build_synthesis, "diffusion": _build_diffusion,
 }

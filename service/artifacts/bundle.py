@@ -29,6 +29,7 @@ from typing import Any
 import faiss
 
 from service.artifacts.items import ItemStore
+from service.artifacts.lexical import LEXICAL_FILE, LexicalIndex
 from service.errors import BundleError
 from service.runtime.encoder import EncoderConfig
 from service.runtime.index import load_index
@@ -43,6 +44,7 @@ BUILD_STATUS = "build.json"  # progress of a running `build_bundle`, not checksu
 # stage 2 `synthesis` (a run folder, no bundle files), stage 3 `diffusion`.
 STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "catalog": (),
+    "lexical": ("catalog",),
     "benchmark": ("catalog",),
     "folm-warmstart": ("catalog", "benchmark"),
     "folm": ("catalog", "benchmark", "folm-warmstart"),
@@ -290,6 +292,7 @@ class Bundle:
     manifest: dict[str, Any]
     items: ItemStore
     index: faiss.Index
+    lexical: LexicalIndex | None = None  # the catalog's BM25 index, when the bundle has one
 
     @property
     def name(self) -> str:
@@ -318,4 +321,6 @@ def load_bundle(bundle_dir: Path) -> Bundle:
             f"bundle {bundle_dir}: index holds {index.ntotal}x{index.d}, "
             f"items {items.embeddings.shape}"
         )
-    return Bundle(path=bundle_dir, manifest=manifest, items=items, index=index)
+    lexical = LexicalIndex(bundle_dir / LEXICAL_FILE) if LEXICAL_FILE in manifest["files"] \
+        else None
+    return Bundle(path=bundle_dir, manifest=manifest, items=items, index=index, lexical=lexical)

@@ -16,7 +16,7 @@ from service.fanout.grounding import PromptNeighbourhood
 from service.paths.answer import PathAnswer, PathQuery, StageClock, stamp
 from service.paths.resolution import first_distinct_rows, resolve_items
 from service.runtime.encoder import Encoder, normalize
-from service.runtime.index import neighbourhood
+from service.runtime.index import neighbour_rows
 
 
 class Sampler(Protocol):
@@ -50,12 +50,18 @@ class DiffusionContext:
             self.prompt = PromptNeighbourhood(bundle.index, bundle.items.texts,
                                               bundle.items.embeddings, self.n)
 
-    def __call__(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
+    def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
+        """(B, C) catalog rows of the context items, or None without a context."""
         if not self.n:
             return None
         if self.prompt is None:
-            return neighbourhood(self.bundle.index, self.bundle.items.embeddings, queries, self.n)
-        rows = self.prompt.rows(texts, queries)  # (B, C)
+            return neighbour_rows(self.bundle.index, queries, self.n)
+        return self.prompt.rows(texts, queries)  # (B, C)
+
+    def __call__(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
+        rows = self.rows(texts, queries)  # (B, C) or None
+        if rows is None:
+            return None
         return np.ascontiguousarray(self.bundle.items.embeddings[rows], dtype=np.float32)
 
 

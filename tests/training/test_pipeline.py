@@ -92,12 +92,12 @@ def test_a_stage_config_change_rebuilds_it_and_its_downstream_only(built, tmp_pa
     configs = replace(tiny, synthesis=replace(tiny.synthesis, samples_per_query=4))
     manifest = build_bundle(bundle, config, presets=configs)
     assert plan_of(bundle) == {
-        "catalog": "current", "benchmark": "current", "folm-warmstart": "current",
-        "folm": "current", "synthesis": "rebuild (config changed)",
+        "catalog": "current", "lexical": "current", "benchmark": "current",
+        "folm-warmstart": "current", "folm": "current", "synthesis": "rebuild (config changed)",
         "diffusion": "rebuild (synthesis changed)",
     }
     old, new = first["stages"], manifest["stages"]
-    for name in ("catalog", "benchmark", "folm-warmstart", "folm"):
+    for name in ("catalog", "lexical", "benchmark", "folm-warmstart", "folm"):
         assert new[name] == old[name]
     assert new["synthesis"]["config"]["synthesis"]["samples_per_query"] == 4
     assert new["diffusion"]["inputs"]["synthesis"] == stage_hash(manifest, "synthesis")
@@ -123,6 +123,7 @@ def test_a_catalog_change_rebuilds_every_stage_downstream(built, tmp_path, capsy
     assert "catalog: rebuild (config changed)" in out
     assert "folm-warmstart: rebuild (catalog, benchmark changed)" in out
     assert "diffusion: rebuild (catalog, synthesis changed)" in out
+    assert "lexical: rebuild (catalog changed)" in out
     plan = plan_of(bundle)
     assert all(plan[name].startswith("rebuild") for name in PIPELINE)
     assert manifest["n_items"] == first["n_items"] + 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.artifacts.bundle import Bundle
+from service.fanout.candidates import candidate_rows
 from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.reward import RewardWeights, vendi_score
 from service.paths.answer import PathAnswer, PathQuery
@@ -36,12 +37,15 @@ class MethodOutput:
     pools: list[np.ndarray]  # per query, the unique catalog rows of the candidate pool
     valid: np.ndarray | None = None  # (Q, k) bool, False for missing/empty/duplicate sub-queries
     union_pools: list[np.ndarray] | None = None  # fan-outs: the paper's union of 500 per probe
+    candidates: list[np.ndarray] | None = None  # per query, the rows the method chose from
 
 
 Method = Callable[[list[str], np.ndarray], MethodOutput]
 
 
 ServedPath = Callable[[Sequence[PathQuery]], list[PathAnswer]]
+Candidates = Callable[[list[str], np.ndarray], list[np.ndarray]]
+HYBRID_CANDIDATES = 50
 
 
 def answer_probes(answers: list[PathAnswer], queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -61,8 +65,10 @@ def answer_probes(answers: list[PathAnswer], queries: np.ndarray) -> tuple[np.nd
     return probes, valid
 
 
-def path_method(bundle: Bundle, path: ServedPath, k: int) -> Method:
-    """A served route as an evaluation method: the path answers, the harness scores."""
+def path_method(bundle: Bundle, path: ServedPath, k: int,
+                candidates: Candidates | None = None) -> Method:
+    """A served route as an evaluation method: the path answers, the harness scores;
+    `candidates` gives the rows the route chooses among (its reach@10)."""
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
         answers = path([PathQuery(text, k) for text in texts])
@@ -70,6 +76,7 @@ def path_method(bundle: Bundle, path: ServedPath, k: int) -> Method:
         probes, valid = answer_probes(answers, queries)  # (Q, k, d), (Q, k)
         out = fanout_output(bundle, probes, items)
         out.valid = valid
+        out.candidates = None if candidates is None else candidates(texts, queries)
         return out
 
     return run
@@ -84,7 +91,8 @@ def single(bundle: Bundle, k: int = 10) -> Method:
         items = np.array([a.selection.rows for a in answers], dtype=np.int64)  # (Q, k)
         _, rows = search(bundle.index, queries, POOL_SIZE)  # (Q, 5000)
         probes = bundle.items.embeddings[items]  # (Q, k, d)
-        return MethodOutput(probes=probes, items=items, pools=[r[r >= 0] for r in rows])
+        return MethodOutput(probes=probes, items=items, pools=[r[r >= 0] for r in rows],
+                            candidates=list(items))
 
     return run
 
@@ -118,7 +126,37 @@ def mmr(bundle: Bundle, k: int = 10, lam: float = MMR_LAMBDA) -> Method:
             candidates = rows[i][rows[i] >= 0]
             picked = mmr_select(query, bundle.items.embeddings[candidates], k, lam)
             items[i] = candidates[picked]
-        return fanout_output(bundle, bundle.items.embeddings[items], items)
+        out = fanout_output(bundle, bundle.items.embeddings[items], items)
+        out.candidates = [r[r >= 0] for r in rows]
+        return out
+
+    return run
+
+
+def hybrid_names(bundle: Bundle, k: int = 10) -> Method:
+    """The first k hybrid candidates (lexical and dense fused by rank, no learning): what a
+    fan-out over the wider candidate space gets without choosing."""
+
+    def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
+        pool = candidate_rows(bundle, texts, queries, HYBRID_CANDIDATES, "hybrid")
+        items = np.stack([rows[:k] for rows in pool])  # (Q, k)
+        out = fanout_output(bundle, bundle.items.embeddings[items], items)
+        out.candidates = pool
+        return out
+
+    return run
+
+
+def mmr_hybrid(bundle: Bundle, k: int = 10, lam: float = MMR_LAMBDA) -> Method:
+    """MMR over the hybrid candidates: relevance and diversity, no learning."""
+
+    def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
+        pool = candidate_rows(bundle, texts, queries, HYBRID_CANDIDATES, "hybrid")
+        items = np.stack([rows[mmr_select(query, bundle.items.embeddings[rows], k, lam)]
+                          for rows, query in zip(pool, queries, strict=True)])  # (Q, k)
+        out = fanout_output(bundle, bundle.items.embeddings[items], items)
+        out.candidates = pool
+        return out
 
     return run
 
@@ -182,7 +220,9 @@ def reward_greedy(bundle: Bundle, k: int = 10, candidates: int = MMR_CANDIDATES)
         for i, query in enumerate(queries):
             pool = rows[i][rows[i] >= 0]
             items[i] = pool[reward_greedy_select(query, bundle.items.embeddings[pool], k)]
-        return fanout_output(bundle, bundle.items.embeddings[items], items)
+        out = fanout_output(bundle, bundle.items.embeddings[items], items)
+        out.candidates = [r[r >= 0] for r in rows]
+        return out
 
     return run
 
@@ -190,17 +230,19 @@ def reward_greedy(bundle: Bundle, k: int = 10, candidates: int = MMR_CANDIDATES)
 def prompt_names(bundle: Bundle, k: int = 10) -> Method:
     """The first k items the fan-out prompt names: the query's nearest distinct names, its own
     name skipped (`service.fanout.grounding.PromptNeighbourhood`), as a policy that copied its
-    prompt
-    would return them; the k share one pool."""
+    prompt would return them; the k share one pool."""
     lookup = PromptNeighbourhood(bundle.index, bundle.items.texts, bundle.items.embeddings, k)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
         rows = lookup.rows(texts, queries)  # (Q, k)
-        return fanout_output(bundle, bundle.items.embeddings[rows])
+        out = fanout_output(bundle, bundle.items.embeddings[rows])
+        out.candidates = list(rows)
+        return out
 
     return run
 
 
 BASELINES: dict[str, Callable[..., Method]] = {
     "single": single, "mmr": mmr, "reward-greedy": reward_greedy, "prompt-names": prompt_names,
+    "hybrid-names": hybrid_names, "mmr-hybrid": mmr_hybrid,
 }

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from service.artifacts.bundle import Bundle
@@ -67,5 +68,10 @@ def diffusion(bundle: Bundle, k: int = 10, steps: int | None = None, solver: str
               seed: int = 0, threads: int = 0) -> Method:
     """Eval factory: the served diffusion route with noise seed `seed`."""
     sampler = open_sampler(bundle, steps, solver, threads)
-    return path_method(bundle, DiffusionPath(bundle, Encoder(bundle.encoder_config), sampler,
-                                             seed), k)
+    path = DiffusionPath(bundle, Encoder(bundle.encoder_config), sampler, seed)
+
+    def context(texts: list[str], queries: np.ndarray) -> list[np.ndarray] | None:
+        rows = path.context.rows(texts, queries)  # (Q, C): what the student chooses among
+        return None if rows is None else list(rows)
+
+    return path_method(bundle, path, k, context if path.context.n else None)

@@ -20,13 +20,20 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.fanout.format import parse_fanout
+from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.reward import score_probes
 from service.paths.autoregressive import AutoregressivePath
 from service.runtime.decoding import FOLM_CONFIG
 from service.runtime.encoder import Encoder
 from service.scheduling.retriever import ar_path
 from service.settings import Settings
-from training.evaluation.baselines import Method, MethodOutput, fanout_output, path_method
+from training.evaluation.baselines import (
+    Candidates,
+    Method,
+    MethodOutput,
+    fanout_output,
+    path_method,
+)
 from training.stage1_fanout.grpo import embed_subqueries
 
 BEST_OF = 5
@@ -56,20 +63,29 @@ def policy_path(bundle: Bundle, folder: str, threads: int, temperature: float | 
     return ar_path(settings, bundle, Encoder(bundle.encoder_config), folder=folder)
 
 
+def prompt_candidates(bundle: Bundle, path: AutoregressivePath) -> Candidates | None:
+    """The items the AR route's prompt names (what `context` decoding chooses among)."""
+    if path.prompt_builder.n == 0:
+        return None
+    lookup = PromptNeighbourhood(bundle.index, bundle.items.texts, bundle.items.embeddings,
+                                 path.prompt_builder.n)
+    return lambda texts, queries: list(lookup.rows(texts, queries))
+
+
 def folm_warmstart(
     bundle: Bundle, k: int = 10, threads: int = 0, temperature: float | None = None,
     seed: int = SEED, decoding: str | None = None,
 ) -> Method:
     path = policy_path(bundle, "folm-warmstart", threads, temperature, seed, decoding)
-    return path_method(bundle, path, k)
+    return path_method(bundle, path, k, prompt_candidates(bundle, path))
 
 
 def folm(
     bundle: Bundle, k: int = 10, threads: int = 0, temperature: float | None = None,
     seed: int = SEED, decoding: str | None = None,
 ) -> Method:
-    return path_method(bundle, policy_path(bundle, "folm", threads, temperature, seed,
-                                           decoding), k)
+    path = policy_path(bundle, "folm", threads, temperature, seed, decoding)
+    return path_method(bundle, path, k, prompt_candidates(bundle, path))
 
 
 def best_of_5(
@@ -79,6 +95,7 @@ def best_of_5(
     """n warm-start samples per query (the served route's prompts and decoding); keep the one
     with the highest composite reward."""
     path = policy_path(bundle, "folm-warmstart", threads, temperature, seed, decoding)
+    candidates = prompt_candidates(bundle, path)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
         prompts = path.prompt_builder.prompts(texts, queries)
@@ -92,6 +109,7 @@ def best_of_5(
         best = terms.total.reshape(len(texts), n).argmax(axis=1) + n * np.arange(len(texts))
         out = fanout_output(bundle, probes[best])  # (Q, k, d) probes of the chosen samples
         out.valid = valid[best]
+        out.candidates = None if candidates is None else candidates(texts, queries)
         return out
 
     return run

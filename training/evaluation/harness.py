@@ -25,10 +25,16 @@ from training.data.splits import BenchmarkQuery, load_split
 from training.evaluation.baselines import BASELINES, Method, MethodOutput
 from training.evaluation.diffusion import diffusion
 from training.evaluation.fanout import FANOUT_METHODS
-from training.evaluation.metrics import group_hit_rate, precision, recall, set_vendi
+from training.evaluation.metrics import (
+    best_coverage,
+    group_hit_rate,
+    precision,
+    recall,
+    set_vendi,
+)
 
 METRICS = (
-    "recall@5k", "hit@5k", "precision@10", "coverage@10", "vendi@10",
+    "recall@5k", "hit@5k", "precision@10", "coverage@10", "reach@10", "vendi@10",
     "alignment", "groundedness", "reward", "latency_ms_per_query",
 )
 BATCH = 64
@@ -59,6 +65,8 @@ def query_metrics(query: BenchmarkQuery, out: MethodOutput, i: int, bundle: Bund
         "precision@10": precision(returned, reference),
         "coverage@10": group_hit_rate(set(returned), query.groups),
         "vendi@10": set_vendi(bundle.items.embeddings[out.items[i]]),
+        "reach@10": float("nan") if out.candidates is None else
+        best_coverage({ids[r] for r in out.candidates[i]}, query.groups),
     }
 
 

@@ -6,7 +6,10 @@ over the k returned items.
 - hit@5k: share of the reference groups with at least one member inside the pool;
 - precision@10: share of the returned items that are in the reference set;
 - coverage@10: share of the reference groups reached by the returned items;
-- vendi@10: Vendi score of the returned items' embeddings (1 = duplicates, 10 = orthogonal).
+- vendi@10: Vendi score of the returned items' embeddings (1 = duplicates, 10 = orthogonal);
+- reach@10: the label ceiling of the candidates a method chose its items from: the coverage@10
+  of the best 10 picks among them (a diagnostic that splits a loss between candidate
+  generation and selection; never a training signal).
 """
 
 from __future__ import annotations
@@ -39,3 +42,22 @@ def precision(returned: list[str], reference: set[str]) -> float:
 def set_vendi(embeddings: np.ndarray) -> float:
     """Vendi score of one set of unit vectors, (n, d) → float."""
     return float(vendi_score(embeddings[None])[0])
+
+
+def best_coverage(candidates: set[str], groups: list[list[str]], k: int = SLOTS) -> float:
+    """The coverage of the best k picks among `candidates`: greedy maximum coverage (exact
+    when no item sits in two groups, as with disjoint branches)."""
+    if not groups:
+        return float("nan")
+    groups_of: dict[str, set[int]] = {}
+    for g, members in enumerate(groups):
+        for item in candidates.intersection(members):
+            groups_of.setdefault(item, set()).add(g)
+    covered: set[int] = set()
+    for _ in range(k):
+        gain, item = max(((len(gs - covered), item) for item, gs in groups_of.items()),
+                         default=(0, None))
+        if not gain or item is None:
+            break
+        covered |= groups_of.pop(item)
+    return len(covered) / len(groups)

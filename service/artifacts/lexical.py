@@ -1,0 +1,64 @@
+"""The catalog's lexical index: SQLite FTS5 over item texts, ranked by BM25.
+
+Dense neighbours of a broad query are its near-synonyms; the items whose text *mentions* the
+query reach much more of what it covers. FTS5 ships inside Python's sqlite3, keeps the index
+in one file (checksummed with the bundle) and answers a query in well under a millisecond at
+catalog sizes of 10^5, so no extra engine is needed. Tokens: Unicode-aware words with Porter
+stemming, so "instruments" finds "instrument"; nothing here knows the catalog's text format.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+LEXICAL_FILE = "lexical.sqlite"
+TOKENIZER = "porter unicode61 remove_diacritics 2"
+WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def build_lexical_index(path: Path, texts: Iterable[str]) -> None:
+    """Write an FTS5 table of `texts` (rowid = catalog row) to `path`."""
+    path.unlink(missing_ok=True)
+    with sqlite3.connect(path) as db:
+        db.execute(f"CREATE VIRTUAL TABLE items USING fts5(text, tokenize='{TOKENIZER}')")
+        db.executemany("INSERT INTO items(rowid, text) VALUES (?, ?)",
+                       ((row, text) for row, text in enumerate(texts)))
+        db.execute("INSERT INTO items(items) VALUES ('optimize')")
+    db.close()
+
+
+def match_expression(query: str) -> str | None:
+    """Any of the query's words (quoted, so no FTS5 syntax leaks in); None when it has none."""
+    words = list(dict.fromkeys(WORD.findall(query.lower())))
+    return " OR ".join(f'"{w}"' for w in words) if words else None
+
+
+class LexicalIndex:
+    """Read-only BM25 search over a bundle's lexical.sqlite, safe to share between threads."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        self._lock = threading.Lock()  # one sqlite3 connection: calls are serialised
+        (self.size,) = self._db.execute("SELECT count(*) FROM items").fetchone()
+
+    def search(self, queries: Sequence[str], n: int) -> list[np.ndarray]:
+        """Per query, up to n catalog rows whose text shares a word with it, best BM25 first."""
+        out = []
+        with self._lock:
+            for query in queries:
+                expression = match_expression(query)
+                rows = [] if expression is None else [r for (r,) in self._db.execute(
+                    "SELECT rowid FROM items WHERE items MATCH ? ORDER BY rank LIMIT ?",
+                    (expression, n))]
+                out.append(np.asarray(rows, dtype=np.int64))
+        return out
+
+    def close(self) -> None:
+        self._db.close()

@@ -1,0 +1,41 @@
+"""The lexical index: built by the catalog stage into the bundle, checksummed, searched."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from service.artifacts.bundle import load_bundle
+from service.artifacts.lexical import LEXICAL_FILE, match_expression
+from service.errors import BundleError
+
+
+def test_the_catalog_stage_builds_a_checksummed_lexical_index(small_bundle_dir):
+    bundle = load_bundle(small_bundle_dir)
+    assert LEXICAL_FILE in bundle.manifest["files"]
+    assert bundle.manifest["stages"]["lexical"]["inputs"].keys() == {"catalog"}
+    assert bundle.lexical is not None and bundle.lexical.size == len(bundle.items)
+    found, nothing = bundle.lexical.search(["dogs", "zzzqqq"], 20)
+    assert len(found) and len(nothing) == 0
+    for row in found:  # Porter stemming: "dogs" matches "dog"
+        assert "dog" in bundle.items.texts[row].lower()
+
+
+def test_a_corrupted_lexical_index_is_refused(small_bundle_dir, tmp_path):
+    copy = tmp_path / "b"
+    shutil.copytree(small_bundle_dir, copy)
+    with (copy / LEXICAL_FILE).open("r+b") as handle:
+        handle.seek(-16, 2)
+        handle.write(b"\xff" * 16)
+    with pytest.raises(BundleError, match=r"lexical\.sqlite fails its sha256"):
+        load_bundle(copy)
+
+
+@pytest.mark.parametrize("query, expression", [
+    ("Musical instrument", '"musical" OR "instrument"'),
+    ('a "b" OR c*', '"a" OR "b" OR "or" OR "c"'),  # no FTS5 syntax gets through
+    ("--- !!", None),
+])
+def test_queries_become_quoted_word_alternatives(query, expression):
+    assert match_expression(query) == expression
