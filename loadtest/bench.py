@@ -108,9 +108,10 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path)
               "sampler": {key: sampler.config.get(key) for key in
                           ("solver", "steps", "cfg_weight", "draws", "context_source", "params",
                            "flops_per_query", "rows")},
-              "folm": {key: decoder.config.get(key) for key in ("params", "max_new_tokens")}
-              | {"decoding": paths["ar"].backend.decoding,  # type: ignore[union-attr]
-                 "temperature": paths["ar"].backend.temperature},  # type: ignore[union-attr]
+              "folm": {"params": decoder.config.get("params"),  # the served budget and T:
+                       "max_new_tokens": paths["ar"].backend.max_new_tokens,  # type: ignore
+                       "decoding": paths["ar"].backend.decoding,  # type: ignore[union-attr]
+                       "temperature": paths["ar"].backend.temperature},  # type: ignore
               "rows": rows}
     write_outputs(report, out_dir)
     return report
