@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
@@ -72,20 +73,17 @@ def prompt_candidates(bundle: Bundle, path: AutoregressivePath) -> Candidates | 
     return lambda texts, queries: list(lookup.rows(texts, queries))
 
 
-def folm_warmstart(
-    bundle: Bundle, k: int = 10, threads: int = 0, temperature: float | None = None,
-    seed: int = SEED, decoding: str | None = None,
+def one_sample(
+    bundle: Bundle, folder: str, k: int = 10, threads: int = 0,
+    temperature: float | None = None, seed: int = SEED, decoding: str | None = None,
 ) -> Method:
-    path = policy_path(bundle, "folm-warmstart", threads, temperature, seed, decoding)
+    """One sample of the policy in `folder` through the served AR route."""
+    path = policy_path(bundle, folder, threads, temperature, seed, decoding)
     return path_method(bundle, path, k, prompt_candidates(bundle, path))
 
 
-def folm(
-    bundle: Bundle, k: int = 10, threads: int = 0, temperature: float | None = None,
-    seed: int = SEED, decoding: str | None = None,
-) -> Method:
-    path = policy_path(bundle, "folm", threads, temperature, seed, decoding)
-    return path_method(bundle, path, k, prompt_candidates(bundle, path))
+folm_warmstart = partial(one_sample, folder="folm-warmstart")
+folm = partial(one_sample, folder="folm")
 
 
 def best_of_5(
