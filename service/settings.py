@@ -117,9 +117,14 @@ class Settings(BaseSettings):
         "it). None = what the bundle's fan-out model was trained under (folm.json 'decoding').",
     )
     ar_context: int | None = Field(
-        None, ge=0, le=32, description="Nearest catalog names put in the fan-out prompt; None = "
-        "what the bundle's fan-out model was trained with (folm.json 'context'; 0 for an "
+        None, ge=0, le=64, description="Candidate catalog names put in the fan-out prompt; "
+        "None = what the bundle's fan-out model was trained with (folm.json 'context'; 0 for an "
         "external endpoint).",
+    )
+    ar_candidates: Literal["dense", "lexical", "hybrid"] | None = Field(
+        None, description="Where the prompt's catalog names come from (service/fanout/"
+        "candidates.py); None = what the fan-out model was trained with (folm.json "
+        "'candidates'; 'dense' for an external endpoint).",
     )
     openai_base_url: str | None = Field(
         None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1."

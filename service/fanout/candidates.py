@@ -4,39 +4,66 @@
 - "lexical": the items whose text shares a word with the query, best BM25 first (the bundle's
   `lexical.sqlite`, service.artifacts.lexical);
 - "hybrid": the two fused by reciprocal rank (RRF, k=60), so an item found by both comes first.
-One function for the teacher's prompt, the student's context, the service and evaluation.
+One definition for the teacher's prompt, the student's context, the service and evaluation: a
+policy or sampler records its source (`candidates` in folm.json / diffusion.json) and every one
+of them builds its `Candidates` from that record.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from service.artifacts.bundle import Bundle
+from service.artifacts.lexical import LexicalIndex
 from service.errors import BundleError
 from service.runtime.index import search
 
 CANDIDATE_SOURCES = ("dense", "lexical", "hybrid")
+DEFAULT_SOURCE = "dense"  # what a policy or sampler recorded before sources existed
 RRF_K = 60  # reciprocal-rank fusion's damping constant (Cormack et al. 2009)
 
 
+class Candidates:
+    """One source's candidate generator over an index (and the lexical index it may need)."""
+
+    def __init__(self, index: Any, lexical: LexicalIndex | None = None,
+                 source: str = DEFAULT_SOURCE) -> None:
+        if source not in CANDIDATE_SOURCES:
+            raise BundleError(f"unknown candidate source {source!r}; use one of "
+                              f"{CANDIDATE_SOURCES}")
+        if source != "dense" and lexical is None:
+            raise BundleError(f"candidate source {source!r} needs the bundle's lexical index: "
+                              "run `r4t bundle` (or `r4t catalog`) to build it")
+        self.index, self.lexical, self.source = index, lexical, source
+
+    @classmethod
+    def of(cls, bundle: Bundle, source: str | None = None) -> Candidates:
+        return cls(bundle.index, bundle.lexical, source or DEFAULT_SOURCE)
+
+    def rows(self, texts: Sequence[str], queries: np.ndarray, n: int) -> list[np.ndarray]:
+        """Per query (texts and embeddings (Q, d)), up to n distinct catalog rows, best first."""
+        if self.source == "dense":
+            return dense_rows(self.index, queries, n)
+        assert self.lexical is not None  # checked in __init__
+        lexical = self.lexical.search(texts, n)
+        if self.source == "lexical":
+            return lexical
+        dense = dense_rows(self.index, queries, n)
+        return [fuse([lex, near], n) for lex, near in zip(lexical, dense, strict=True)]
+
+
+def dense_rows(index: Any, queries: np.ndarray, n: int) -> list[np.ndarray]:
+    _, rows = search(index, queries, n)  # (Q, n)
+    return [r[r >= 0] for r in rows]
+
+
 def candidate_rows(bundle: Bundle, texts: Sequence[str], queries: np.ndarray, n: int,
-                   source: str = "dense") -> list[np.ndarray]:
-    """Per query (texts and embeddings (Q, d)), up to n distinct catalog rows, best first."""
-    if source not in CANDIDATE_SOURCES:
-        raise BundleError(f"unknown candidate source {source!r}; use one of {CANDIDATE_SOURCES}")
-    if source == "dense":
-        _, rows = search(bundle.index, queries, n)  # (Q, n)
-        return [r[r >= 0] for r in rows]
-    if bundle.lexical is None:
-        raise BundleError(f"candidate source {source!r} needs the bundle's lexical index: "
-                          "run `r4t bundle` (or `r4t catalog`) to build it")
-    lexical = bundle.lexical.search(texts, n)
-    if source == "lexical":
-        return lexical
-    _, dense = search(bundle.index, queries, n)  # (Q, n)
-    return [fuse([lex, near[near >= 0]], n) for lex, near in zip(lexical, dense, strict=True)]
+                   source: str = DEFAULT_SOURCE) -> list[np.ndarray]:
+    """Per query, up to n distinct catalog rows of `source`, best first."""
+    return Candidates.of(bundle, source).rows(texts, queries, n)
 
 
 def fuse(rankings: Sequence[np.ndarray], n: int) -> np.ndarray:

@@ -5,8 +5,9 @@ sub-queries, one per line, then the end-of-sequence token. Parsing is strict: an
 malformed, and a malformed completion's missing slots score 0 in the reward (see
 service/fanout/reward.py).
 
-The catalog line is retrieval-augmented context: the names of the query's N nearest catalog
-items (N is the policy's `context`, recorded in folm.json; 0 drops the line). A 4B FOLM knows
+The catalog line is retrieval-augmented context: the names of the query's N first candidates
+(N is the policy's `context` and the source its `candidates`, both recorded in folm.json; 0 drops
+the line). A 4B FOLM knows
 the world; our from-scratch policy does not, so it selects and rewrites from the query's
 neighbourhood instead of recalling from nothing (without it the policy never conditioned on
 the query: alignment 0.10 against 0.67 for the dense query).
@@ -16,12 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from service.fanout.candidates import Candidates
 from service.fanout.reward import subquery_mask
-from service.runtime.index import search
 
 PROMPT_TEMPLATE = "query: {query}\n{context}fan-out:\n"
 CONTEXT_TEMPLATE = "catalog: {names}\n"
@@ -65,21 +65,21 @@ def item_names(texts: Sequence[str]) -> list[str]:
 
 
 def context_names(
-    index: Any, names: Sequence[str], query_emb: np.ndarray, n: int, exclude: Sequence[str] = ()
+    candidates: Candidates, names: Sequence[str], texts: Sequence[str], query_emb: np.ndarray,
+    n: int,
 ) -> list[list[str]]:
-    """Up to n distinct names of each query's nearest catalog items, best first.
+    """Up to n distinct names of each query's candidates (`service.fanout.candidates`), best first.
 
-    query_emb: (Q, d). Names equal to `exclude[i]` (the query text, case-insensitively) are
-    skipped: the fan-out should go beyond the query itself.
+    texts: the query texts; query_emb: (Q, d). A name equal to its query's text
+    (case-insensitively) is skipped: the fan-out should go beyond the query itself.
     """
     if n <= 0:
         return [[] for _ in range(len(query_emb))]
-    _, rows = search(index, query_emb, 3 * n)  # (Q, 3n): room for repeated names
     out = []
-    for i, row in enumerate(rows):
-        skip = " ".join(exclude[i].lower().split()) if i < len(exclude) else None
+    for text, row in zip(texts, candidates.rows(texts, query_emb, 3 * n), strict=True):
+        skip = " ".join(text.lower().split())  # 3n rows: room for repeated names
         seen: dict[str, str] = {}
-        for r in row[row >= 0]:
+        for r in row:
             name = " ".join(names[r].split())
             key = name.lower()
             if key != skip and key not in seen and name:
@@ -91,14 +91,14 @@ def context_names(
 
 
 class PromptBuilder:
-    """Query texts and embeddings → prompts with each query's `n` nearest catalog names."""
+    """Query texts and embeddings → prompts with each query's `n` candidate catalog names."""
 
-    def __init__(self, index: Any, item_texts: Sequence[str], n: int) -> None:
-        self.index, self.n = index, int(n)
+    def __init__(self, candidates: Candidates, item_texts: Sequence[str], n: int) -> None:
+        self.candidates, self.n = candidates, int(n)
         self.names = item_names(item_texts) if self.n > 0 else []
 
     def prompts(self, queries: Sequence[str], query_emb: np.ndarray) -> list[str]:
-        contexts = context_names(self.index, self.names, query_emb, self.n, queries)
+        contexts = context_names(self.candidates, self.names, queries, query_emb, self.n)
         return [build_prompt(q, c) for q, c in zip(queries, contexts, strict=True)]
 
 

@@ -11,10 +11,10 @@ and searched as before. Serving, the reward, synthesis and evaluation all resolv
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
+from service.fanout.candidates import Candidates
 from service.fanout.format import context_names, item_name, item_names
 
 NOT_A_NAME = -1
@@ -65,15 +65,15 @@ class NameGrounding:
 
 
 class PromptNeighbourhood:
-    """The items a fan-out prompt names, as catalog rows: each query's n nearest distinct names,
+    """The items a fan-out prompt names, as catalog rows: each query's n first distinct names,
     the query's own name skipped (`service.fanout.format.context_names`, what the policy's prompt
     lists), each grounded to its item as the teacher's sub-queries are. This is the set the
     teacher chooses its 10 lines from, in its order, so the diffusion student that attends to
     it sees what its teacher saw (`context_source = "prompt"`)."""
 
-    def __init__(self, index: Any, item_texts: Sequence[str], embeddings: np.ndarray,
+    def __init__(self, candidates: Candidates, item_texts: Sequence[str], embeddings: np.ndarray,
                  n: int) -> None:
-        self.index, self.n = index, int(n)
+        self.candidates, self.n = candidates, int(n)
         self.names = item_names(item_texts)
         self.grounding = NameGrounding(item_texts, embeddings)
 
@@ -81,7 +81,7 @@ class PromptNeighbourhood:
         """(Q, n) int64 rows for query texts and embeddings (Q, d), best first; when a query's
         neighbourhood holds fewer than n names, its rows repeat in order (fixed shape)."""
         out = np.empty((len(texts), self.n), dtype=np.int64)
-        contexts = context_names(self.index, self.names, queries, self.n, texts)
+        contexts = context_names(self.candidates, self.names, texts, queries, self.n)
         for i, names in enumerate(contexts):
             owners = np.repeat(queries[i : i + 1], len(names), axis=0)  # (n_i, d)
             rows = self.grounding.rows(names, owners)

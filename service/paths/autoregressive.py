@@ -13,6 +13,7 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.errors import BundleError
+from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.format import Generation, PromptBuilder, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.fanout.trie import DECODINGS, NAME_SCOPES, NameConstraint
@@ -81,10 +82,11 @@ class AutoregressivePath:
 
     def __init__(
         self, bundle: Bundle, encoder: Encoder, backend: FanoutBackend, fanout_k: int,
-        context: int = 0,
+        context: int = 0, candidates: str = DEFAULT_SOURCE,
     ) -> None:
         self.bundle, self.encoder, self.backend, self.fanout_k = bundle, encoder, backend, fanout_k
-        self.prompt_builder = PromptBuilder(bundle.index, bundle.items.texts, context)
+        self.prompt_builder = PromptBuilder(Candidates.of(bundle, candidates), bundle.items.texts,
+                                            context)
         self.grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
 
     @property
@@ -93,6 +95,7 @@ class AutoregressivePath:
 
     def describe(self) -> dict[str, Any]:
         return {"fanout_k": self.fanout_k, "context": self.prompt_builder.n,
+                "candidates": self.prompt_builder.candidates.source,
                 **self.backend.describe()}
 
     def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:

@@ -12,6 +12,7 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.errors import BundleError
+from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
 from service.paths.answer import PathAnswer, PathQuery, StageClock, stamp
 from service.paths.resolution import first_distinct_rows, resolve_items
@@ -47,7 +48,8 @@ class DiffusionContext:
                               f"use one of {CONTEXT_SOURCES}")
         self.prompt: PromptNeighbourhood | None = None
         if self.n and self.source == "prompt":
-            self.prompt = PromptNeighbourhood(bundle.index, bundle.items.texts,
+            source = str(config.get("candidates", DEFAULT_SOURCE))
+            self.prompt = PromptNeighbourhood(Candidates.of(bundle, source), bundle.items.texts,
                                               bundle.items.embeddings, self.n)
 
     def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:

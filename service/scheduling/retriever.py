@@ -25,6 +25,7 @@ from service.errors import (
     R4TError,
     UnavailableError,
 )
+from service.fanout.candidates import DEFAULT_SOURCE
 from service.fanout.format import item_names
 from service.metrics import Metrics
 from service.paths.answer import PathAnswer, PathQuery
@@ -70,8 +71,8 @@ class Loaders:
 
 def _ar_backend(
     settings: Settings, bundle: Bundle, loaders: Loaders, folder: str = "folm"
-) -> tuple[FanoutBackend, int, int]:
-    """The backend, its k and the number of catalog names its prompts carry."""
+) -> tuple[FanoutBackend, int, int, str]:
+    """The backend, its k, and the number and source of the catalog names its prompts carry."""
     choice = settings.ar_backend
     if choice == "onnx" or (choice == "auto" and bundle.has(f"{folder}/model.onnx")):
         decoder = loaders.decoder(bundle.path / folder, settings.provider_list, settings.threads)
@@ -87,7 +88,8 @@ def _ar_backend(
         if backend.decoding == "context" and context == 0:
             raise BundleError("R4T_AR_DECODING=context needs catalog names in the prompt "
                               "(R4T_AR_CONTEXT > 0)")
-        return backend, int(decoder.config.get("k", settings.fanout_k)), context
+        source = settings.ar_candidates or str(decoder.config.get("candidates", DEFAULT_SOURCE))
+        return backend, int(decoder.config.get("k", settings.fanout_k)), context, source
     if settings.openai_base_url:
         key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
         config = OpenAIConfig(
@@ -96,7 +98,8 @@ def _ar_backend(
             backoff_s=settings.openai_backoff_s, max_connections=settings.openai_max_connections,
             temperature=settings.ar_temperature or 0.0, max_tokens=settings.ar_max_new_tokens,
         )
-        return OpenAICompletionBackend(config), settings.fanout_k, settings.ar_context or 0
+        return (OpenAICompletionBackend(config), settings.fanout_k, settings.ar_context or 0,
+                settings.ar_candidates or DEFAULT_SOURCE)
     raise BundleError(f"bundle has no {folder}/model.onnx and R4T_OPENAI_BASE_URL is not set")
 
 
@@ -105,8 +108,9 @@ def ar_path(
     folder: str = "folm",
 ) -> AutoregressivePath:
     """The AR route as `settings` configure it, over the fan-out model in `folder`."""
-    backend, fanout_k, context = _ar_backend(settings, bundle, loaders or Loaders(), folder)
-    return AutoregressivePath(bundle, encoder, backend, fanout_k, context)
+    backend, fanout_k, context, source = _ar_backend(settings, bundle, loaders or Loaders(),
+                                                     folder)
+    return AutoregressivePath(bundle, encoder, backend, fanout_k, context, source)
 
 
 def load_paths(

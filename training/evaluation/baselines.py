@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.artifacts.bundle import Bundle
-from service.fanout.candidates import candidate_rows
+from service.fanout.candidates import Candidates, candidate_rows
 from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.reward import RewardWeights, vendi_score
 from service.paths.answer import PathAnswer, PathQuery
@@ -44,8 +44,9 @@ Method = Callable[[list[str], np.ndarray], MethodOutput]
 
 
 ServedPath = Callable[[Sequence[PathQuery]], list[PathAnswer]]
-Candidates = Callable[[list[str], np.ndarray], list[np.ndarray]]
-HYBRID_CANDIDATES = 50
+CandidateLookup = Callable[[list[str], np.ndarray], list[np.ndarray]]
+HYBRID_CANDIDATES = 50  # MMR's pool over the hybrid candidates
+HYBRID_PROMPT = 24  # the names a hybrid prompt carries, as the default policy's (PolicyConfig)
 
 
 def answer_probes(answers: list[PathAnswer], queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -66,7 +67,7 @@ def answer_probes(answers: list[PathAnswer], queries: np.ndarray) -> tuple[np.nd
 
 
 def path_method(bundle: Bundle, path: ServedPath, k: int,
-                candidates: Candidates | None = None) -> Method:
+                candidates: CandidateLookup | None = None) -> Method:
     """A served route as an evaluation method: the path answers, the harness scores;
     `candidates` gives the rows the route chooses among (its reach@10)."""
 
@@ -133,18 +134,10 @@ def mmr(bundle: Bundle, k: int = 10, lam: float = MMR_LAMBDA) -> Method:
     return run
 
 
-def hybrid_names(bundle: Bundle, k: int = 10) -> Method:
-    """The first k hybrid candidates (lexical and dense fused by rank, no learning): what a
-    fan-out over the wider candidate space gets without choosing."""
-
-    def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
-        pool = candidate_rows(bundle, texts, queries, HYBRID_CANDIDATES, "hybrid")
-        items = np.stack([rows[:k] for rows in pool])  # (Q, k)
-        out = fanout_output(bundle, bundle.items.embeddings[items], items)
-        out.candidates = pool
-        return out
-
-    return run
+def hybrid_names(bundle: Bundle, k: int = 10, n: int = HYBRID_PROMPT) -> Method:
+    """The first k names of a prompt of n hybrid candidates (lexical and dense fused by rank,
+    no learning): what a fan-out over the wider candidate space gets without choosing."""
+    return prompt_names(bundle, k, n, "hybrid")
 
 
 def mmr_hybrid(bundle: Bundle, k: int = 10, lam: float = MMR_LAMBDA) -> Method:
@@ -227,15 +220,17 @@ def reward_greedy(bundle: Bundle, k: int = 10, candidates: int = MMR_CANDIDATES)
     return run
 
 
-def prompt_names(bundle: Bundle, k: int = 10) -> Method:
-    """The first k items the fan-out prompt names: the query's nearest distinct names, its own
-    name skipped (`service.fanout.grounding.PromptNeighbourhood`), as a policy that copied its
-    prompt would return them; the k share one pool."""
-    lookup = PromptNeighbourhood(bundle.index, bundle.items.texts, bundle.items.embeddings, k)
+def prompt_names(bundle: Bundle, k: int = 10, n: int | None = None,
+                 source: str = "dense") -> Method:
+    """The first k items a prompt of n (default k) names from `source` lists: distinct names,
+    the query's own skipped (`service.fanout.grounding.PromptNeighbourhood`), as a policy that
+    copied its prompt would return them; the k share one pool, the n are its candidates."""
+    lookup = PromptNeighbourhood(Candidates.of(bundle, source), bundle.items.texts,
+                                 bundle.items.embeddings, n or k)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
-        rows = lookup.rows(texts, queries)  # (Q, k)
-        out = fanout_output(bundle, bundle.items.embeddings[rows])
+        rows = lookup.rows(texts, queries)  # (Q, n)
+        out = fanout_output(bundle, bundle.items.embeddings[rows[:, :k]])
         out.candidates = list(rows)
         return out
 

@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
-from service.fanout.candidates import candidate_rows
+from service.fanout.candidates import Candidates, candidate_rows
 from service.fanout.grounding import PromptNeighbourhood
 from service.runtime.encoder import Encoder
 from training.data.splits import load_split
@@ -21,7 +21,9 @@ from training.evaluation.metrics import best_coverage
 
 SOURCES = (("dense", 16), ("dense", 100), ("dense", 500), ("lexical", 50), ("lexical", 100),
            ("hybrid", 50), ("hybrid", 100))
-PROMPT = 16  # the fan-out prompt's names: today's action space of teacher and student
+# the fan-out prompt's names (the action space of teacher and student): the dense prompt of
+# earlier bundles and hybrid prompts of the default's size and wider
+PROMPTS = (("dense", 16), ("hybrid", 16), ("hybrid", 24), ("hybrid", 32))
 CEILINGS_DIR = "ceilings"
 
 
@@ -30,9 +32,13 @@ def ceilings(bundle: Bundle, split: str = "val") -> dict[str, Any]:
     queries = load_split(bundle.path, split)
     texts = [q.query for q in queries]
     embedded = Encoder(bundle.encoder_config).encode(texts)  # (Q, d)
-    prompt = PromptNeighbourhood(bundle.index, bundle.items.texts, bundle.items.embeddings,
-                                 PROMPT).rows(texts, embedded)  # (Q, 16)
-    sources = {f"prompt names ({PROMPT})": list(prompt)}
+    sources = {}
+    for source, n in PROMPTS:
+        if source != "dense" and bundle.lexical is None:
+            continue
+        prompt = PromptNeighbourhood(Candidates.of(bundle, source), bundle.items.texts,
+                                     bundle.items.embeddings, n)
+        sources[f"prompt names, {source} ({n})"] = list(prompt.rows(texts, embedded))  # (Q, n)
     for source, n in tqdm(SOURCES, desc=f"ceilings/{split}", unit="source"):
         if source != "dense" and bundle.lexical is None:
             continue

@@ -29,7 +29,7 @@ from service.runtime.encoder import Encoder
 from service.scheduling.retriever import ar_path
 from service.settings import Settings
 from training.evaluation.baselines import (
-    Candidates,
+    CandidateLookup,
     Method,
     MethodOutput,
     fanout_output,
@@ -64,12 +64,13 @@ def policy_path(bundle: Bundle, folder: str, threads: int, temperature: float | 
     return ar_path(settings, bundle, Encoder(bundle.encoder_config), folder=folder)
 
 
-def prompt_candidates(bundle: Bundle, path: AutoregressivePath) -> Candidates | None:
-    """The items the AR route's prompt names (what `context` decoding chooses among)."""
+def prompt_candidates(bundle: Bundle, path: AutoregressivePath) -> CandidateLookup | None:
+    """The items the AR route's prompt names (what `context` decoding chooses among), from the
+    route's own candidate generator."""
     if path.prompt_builder.n == 0:
         return None
-    lookup = PromptNeighbourhood(bundle.index, bundle.items.texts, bundle.items.embeddings,
-                                 path.prompt_builder.n)
+    lookup = PromptNeighbourhood(path.prompt_builder.candidates, bundle.items.texts,
+                                 bundle.items.embeddings, path.prompt_builder.n)
     return lambda texts, queries: list(lookup.rows(texts, queries))
 
 

@@ -127,7 +127,7 @@ def _sampler(scorer: FanoutScorer, queries: list[str], decoding: str,
 
     def sample(checkpoint: Path, n: int) -> list[str]:
         policy = policy_meta(checkpoint).get("policy", {})
-        prompts = scorer.prompts(queries, int(policy.get("context", 0)))
+        prompts = scorer.prompts(queries, policy)
         repeated = [p for p in prompts for _ in range(n)]  # (Q·n,)
         return policy_fanouts(checkpoint, repeated, int(policy.get("max_new_tokens", 48)),
                               decoding=decoding, names=names)

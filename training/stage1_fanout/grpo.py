@@ -27,6 +27,7 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle, git_commit, load_bundle
 from service.errors import InputError
+from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.format import ParsedFanout, PromptBuilder, item_names, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.fanout.reward import RewardTerms, RewardWeights, score_probes
@@ -101,7 +102,7 @@ class FanoutScorer:
         self.bundle, self.encoder, self.k = bundle, encoder, k
         self.grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
         self._query_cache: dict[str, np.ndarray] = {}
-        self._builders: dict[int, PromptBuilder] = {}
+        self._builders: dict[tuple[int, str], PromptBuilder] = {}
         self._last: tuple[tuple[str, ...], RewardTerms, list[ParsedFanout]] | None = None
 
     def query_embeddings(self, queries: list[str]) -> np.ndarray:
@@ -110,12 +111,14 @@ class FanoutScorer:
             self._query_cache.update(zip(missing, self.encoder.encode(missing), strict=True))
         return np.stack([self._query_cache[q] for q in queries])  # (G, d)
 
-    def prompts(self, queries: list[str], context: int) -> list[str]:
-        """The policy's prompts, with each query's `context` nearest catalog names."""
-        if context not in self._builders:
-            self._builders[context] = PromptBuilder(self.bundle.index, self.bundle.items.texts,
-                                                    context)
-        return self._builders[context].prompts(queries, self.query_embeddings(queries))
+    def prompts(self, queries: list[str], policy: dict[str, Any]) -> list[str]:
+        """The prompts of a policy (its folm.json / config `policy`): each query's `context`
+        first catalog names of its `candidates` source."""
+        key = (int(policy.get("context", 0)), str(policy.get("candidates", DEFAULT_SOURCE)))
+        if key not in self._builders:
+            self._builders[key] = PromptBuilder(Candidates.of(self.bundle, key[1]),
+                                                self.bundle.items.texts, key[0])
+        return self._builders[key].prompts(queries, self.query_embeddings(queries))
 
     def score(self, queries: list[str], completions: list[str]) -> tuple[RewardTerms, list]:
         key = (*queries, "\x00", *completions)
@@ -206,7 +209,7 @@ def train_grpo(
               "reward_terms": dict(zip(REWARD_MODES[config.reward], weights, strict=True)),
               "seed": config.seed, "git_commit": git_commit()}
     (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
-    prompts = scorer.prompts(queries, int(policy.get("context", 0)))
+    prompts = scorer.prompts(queries, policy)
     data = Dataset.from_dict({"prompt": prompts, "query": queries})
     args = trl_config(config, run_dir, int(policy.get("max_new_tokens", 48)), weights)
     names = item_names(bundle.items.texts) if config.decoding == "catalog" else ()

@@ -40,7 +40,8 @@ class PolicyConfig:
     max_positions: int = 256
     max_new_tokens: int = 64  # ten catalog names, one per line: median 48 tokens, p99 60
     k: int = 10
-    context: int = 16  # nearest catalog names in the prompt (service/fanout/format.py); 0 = none
+    context: int = 24  # candidate catalog names in the prompt (service/fanout/format.py); 0 = none
+    candidates: str = "hybrid"  # their source (service/fanout/candidates.py)
     rope_theta: float = 10000.0
 
 

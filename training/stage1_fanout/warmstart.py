@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from service.artifacts.bundle import git_commit, load_bundle
+from service.fanout.candidates import Candidates
 from service.fanout.format import build_prompt, context_names, format_fanout, item_names
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
@@ -218,7 +219,8 @@ def warm_start(
 
     query_emb = encoder.encode(queries)  # (Q, d)
     n_context = policy_config.context
-    contexts = context_names(bundle.index, names, query_emb, n_context, queries)
+    candidates = Candidates.of(bundle, policy_config.candidates)
+    contexts = context_names(candidates, names, queries, query_emb, n_context)
     wide = neighbour_names(bundle.index, names, query_emb, config.pool)
     neighbours = [target_pool(c, w, policy_config.k) if n_context else w
                   for c, w in zip(contexts, wide, strict=True)]

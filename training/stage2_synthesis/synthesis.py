@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import config_hash, git_commit, load_bundle, read_manifest, stage
 from service.errors import BundleError, InputError
+from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.format import PromptBuilder, item_names, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.fanout.reward import reward_terms
@@ -343,9 +344,11 @@ def synthesize(
                for i in range(len(queries))]  # extra queries come after the train split's
     policy = policy_meta(checkpoint).get("policy", {})
     context = int(policy.get("context", 0))  # catalog names in each prompt, as trained
+    source = str(policy.get("candidates", DEFAULT_SOURCE))  # and where they come from
     check_decoding(config.decoding, context)
     record = {"stage": "synthesis", "config": asdict(config), "checkpoint": str(checkpoint),
-              "n_queries": len(queries), "context": context, "seed": config.seed,
+              "n_queries": len(queries), "context": context, "candidates": source,
+              "seed": config.seed,
               "git_commit": git_commit()}
     _check_resume(run_dir, record)
     encoder = Encoder(bundle.encoder_config)
@@ -353,7 +356,8 @@ def synthesize(
     np.save(run_dir / "query_emb.npy", query_emb)
     (run_dir / "queries.json").write_text(json.dumps(queries) + "\n")
     budget = config.max_new_tokens or int(policy.get("max_new_tokens", 48))
-    prompts = PromptBuilder(bundle.index, bundle.items.texts, context).prompts(queries, query_emb)
+    prompts = PromptBuilder(Candidates.of(bundle, source), bundle.items.texts,
+                            context).prompts(queries, query_emb)
     catalog = item_names(bundle.items.texts) if config.decoding == "catalog" else None
     ctx = {"sampler": make_sampler(config, checkpoint, run_dir, catalog),
            "cache": ResolutionCache(bundle, encoder), "queries": queries, "prompts": prompts,
@@ -409,7 +413,8 @@ def _check_resume(run_dir: Path, record: dict[str, Any]) -> None:
     path = run_dir / "config.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        same = {k: old.get(k) for k in ("config", "checkpoint", "n_queries", "context")}
+        keys = ("config", "checkpoint", "n_queries", "context", "candidates")
+        same = {k: old.get(k) for k in keys}
         if same != {k: record[k] for k in same}:
             raise ValueError(f"{run_dir} holds a synthesis run with another config; "
                              "choose another --run-dir or delete it")

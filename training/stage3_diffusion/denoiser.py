@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from service.fanout.candidates import CANDIDATE_SOURCES, DEFAULT_SOURCE
+
 # Options of earlier configs whose other values were removed: their surviving value.
 REMOVED_OPTIONS: dict[str, str] = {"conditioning": "adaln", "head": "vector"}
 
@@ -53,11 +55,16 @@ class DenoiserConfig:
     # which C items: "nearest", the query's C nearest; "prompt", the C items the teacher's
     # prompt names (service.fanout.grounding.PromptNeighbourhood)
     context_source: str = "nearest"
+    # where the prompt's names come from (service.fanout.candidates), as the teacher's were
+    candidates: str = DEFAULT_SOURCE
 
     def __post_init__(self) -> None:
         if self.context_source not in ("nearest", "prompt"):
             raise ValueError(f"context_source must be 'nearest' or 'prompt', "
                              f"got {self.context_source!r}")
+        if self.candidates not in CANDIDATE_SOURCES:
+            raise ValueError(f"candidates must be one of {CANDIDATE_SOURCES}, "
+                             f"got {self.candidates!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """As a dict; the default context source is left out, so configs (and the hashes a
@@ -65,6 +72,8 @@ class DenoiserConfig:
         config = asdict(self)
         if config["context_source"] == "nearest":
             del config["context_source"]
+        if config["candidates"] == DEFAULT_SOURCE:
+            del config["candidates"]
         return config
 
     @classmethod
@@ -82,10 +91,10 @@ class DenoiserConfig:
 
 PRESETS: dict[str, DenoiserConfig] = {
     "paper": DenoiserConfig(hidden=1024, mlp=1024, layers=6, heads=16, rows=12),  # Table 3
-    # Sized for 2 CPU cores; the 16-item context matches the policy's prompt
-    # (PolicyConfig.context), whose items it attends to.
-    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=4, heads=4, context=16, ordered=True,
-                          context_source="prompt"),
+    # Sized for 2 CPU cores; the context is the policy's prompt (PolicyConfig.context and
+    # .candidates), whose items it attends to.
+    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=4, heads=4, context=24, ordered=True,
+                          context_source="prompt", candidates="hybrid"),
     "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
 }
 

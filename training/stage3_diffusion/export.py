@@ -289,7 +289,7 @@ def sampler_config(model: Denoiser, config: ExportConfig) -> dict[str, Any]:
     nfe = solver_evaluations(config.solver, config.steps)
     return {
         "rows": mc.rows, "k": mc.k, "dim": mc.dim, "context": mc.context,
-        "context_source": mc.context_source,
+        "context_source": mc.context_source, "candidates": mc.candidates,
         "solver": config.solver,
         "steps": config.steps, "evaluations": nfe, "form": config.form,
         "cfg_weight": config.cfg_weight, "cfg_formula": CFG_FORMULA,

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import config_hash, git_commit
 from service.errors import BundleError
+from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
 from service.runtime.index import neighbour_rows
 from training.stage3_diffusion.denoiser import Denoiser, DenoiserConfig, count_params, preset
@@ -316,14 +317,21 @@ def plot_curve(curve: list[tuple[int, float]], path: Path) -> None:
     plt.close(fig)
 
 
-def prompt_context(dataset_dir: Path, n: int) -> None:
-    """Refuse a prompt-sourced context of n items when the stage-2 run's prompts named another
-    number (its config.json `context`): the student would not see what its teacher saw."""
+def prompt_context(dataset_dir: Path, n: int, source: str) -> None:
+    """Refuse a prompt-sourced context of n items of `source` when the stage-2 run's prompts
+    named another number or source (its config.json `context`, `candidates`): the student would
+    not see what its teacher saw."""
     path = Path(dataset_dir) / "config.json"
-    named = json.loads(path.read_text()).get("context") if path.is_file() else None
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    named = record.get("context")
     if named is not None and int(named) != n:
         raise BundleError(f"the teacher's prompts named {named} items ({path}) but the "
                           f"denoiser's context is {n}: they must match for "
+                          "context_source='prompt'")
+    teacher = record.get("candidates", DEFAULT_SOURCE) if record else source
+    if teacher != source:
+        raise BundleError(f"the teacher's prompt names came from {teacher!r} candidates ({path}) "
+                          f"but the denoiser's from {source!r}: they must match for "
                           "context_source='prompt'")
 
 
@@ -344,9 +352,9 @@ def train_on_bundle(bundle_dir: Path, config: TrainConfig, dataset_dir: Path | N
         bundle = load_bundle(bundle_dir)
         prompt = None
         if config.model.context_source == "prompt":
-            prompt_context(dataset_dir, n)
-            prompt = PromptNeighbourhood(bundle.index, bundle.items.texts,
-                                         bundle.items.embeddings, n)
+            prompt_context(dataset_dir, n, config.model.candidates)
+            prompt = PromptNeighbourhood(Candidates.of(bundle, config.model.candidates),
+                                         bundle.items.texts, bundle.items.embeddings, n)
         context = block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt)
     run_dir = run_dir or bundle_dir / "runs" / RUN_NAME
     return train(data, config, run_dir, fresh=fresh, context=context)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.fanout.candidates import Candidates
 from tests.service.conftest import (
     MALFORMED_MARK,
     holding_completions,
@@ -123,7 +124,7 @@ def test_ar_prompt_carries_the_querys_catalog_neighbours(
 
     query = benchmark_queries[2].query
     bundle = load_bundle(serving_bundle)
-    expected = PromptBuilder(bundle.index, bundle.items.texts, 3).prompts(
+    expected = PromptBuilder(Candidates(bundle.index), bundle.items.texts, 3).prompts(
         [query], Encoder(bundle.encoder_config).encode([query]))[0]
     with live_server(settings_for(ar_context=3)) as live, live.client() as client:
         response = client.post("/v1/retrieve", json={"query": query, "route": "ar"})

@@ -43,3 +43,31 @@ def test_lexical_sources_need_the_index_and_sources_are_checked(bundle):
     bare = type(bundle)(bundle.path, bundle.manifest, bundle.items, bundle.index, None)
     with pytest.raises(BundleError, match="lexical index"):
         candidate_rows(bare, ["dog"], queries, 5, "hybrid")
+
+
+def test_teacher_prompt_student_context_and_served_routes_share_one_candidate_list(bundle):
+    """The teacher's GRPO prompt, the served AR prompt and the diffusion context name the same
+    items for a query when they record the same source: one definition, not three."""
+    from service.fanout.format import prompt_context
+    from service.fanout.grounding import NameGrounding
+    from service.paths.autoregressive import AutoregressivePath
+    from service.paths.diffusion import DiffusionContext
+    from training.stage1_fanout.grpo import FanoutScorer
+
+    texts = ["dog", "musical instrument"]
+    encoder = Encoder(bundle.encoder_config)
+    queries = encoder.encode(texts)
+    scorer = FanoutScorer(bundle, encoder, 10)
+    teacher = scorer.prompts(texts, {"context": 6, "candidates": "hybrid"})
+    served = AutoregressivePath(bundle, encoder, backend=None, fanout_k=10, context=6,
+                                candidates="hybrid")
+    assert served.prompt_builder.prompts(texts, queries) == teacher
+    student = DiffusionContext(bundle, {"context": 6, "context_source": "prompt",
+                                        "candidates": "hybrid"}).rows(texts, queries)  # (2, 6)
+    grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
+    for prompt, rows, query in zip(teacher, student, queries, strict=True):
+        names = prompt_context(prompt)
+        assert len(names) == 6
+        assert grounding.rows(names, np.repeat(query[None], 6, axis=0)).tolist() == rows.tolist()
+    # the source is carried, not ignored: the dense prompt of the same size names other items
+    assert scorer.prompts(texts, {"context": 6}) != teacher

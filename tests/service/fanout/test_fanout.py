@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from service.artifacts.bundle import Bundle, load_bundle
+from service.fanout.candidates import Candidates
 from service.fanout.format import (
     PromptBuilder,
     build_prompt,
@@ -49,7 +50,7 @@ def test_context_names_are_distinct_nearest_first_and_skip_the_query(
     names = [item_name(t) for t in bundle.items.texts]
     query = names[0]
     emb = encoder.encode([query])  # (1, d)
-    got = context_names(bundle.index, names, emb, 5, [query])[0]
+    got = context_names(Candidates(bundle.index), names, [query], emb, 5)[0]
     assert len(got) == 5 and len({g.lower() for g in got}) == 5
     assert query.lower() not in {g.lower() for g in got}
     # best first: each name's best item similarity does not increase along the list
@@ -58,7 +59,7 @@ def test_context_names_are_distinct_nearest_first_and_skip_the_query(
         rows = [i for i, n in enumerate(names) if n.lower() == name.lower()]
         best.append(float((bundle.items.embeddings[rows] @ emb[0]).max()))
     assert all(a >= b - 1e-6 for a, b in pairwise(best))
-    assert context_names(bundle.index, names, emb, 0) == [[]]
+    assert context_names(Candidates(bundle.index), names, [''], emb, 0) == [[]]
 
 
 def test_prompt_builder_puts_each_querys_own_neighbours_in_its_prompt(
@@ -67,12 +68,12 @@ def test_prompt_builder_puts_each_querys_own_neighbours_in_its_prompt(
     texts = bundle.items.texts
     queries = [item_name(texts[3]), item_name(texts[len(texts) // 2])]
     emb = encoder.encode(queries)  # (2, d)
-    prompts = PromptBuilder(bundle.index, texts, 4).prompts(queries, emb)
+    prompts = PromptBuilder(Candidates(bundle.index), texts, 4).prompts(queries, emb)
     names = [item_name(t) for t in texts]
     for query, prompt, row in zip(queries, prompts, emb, strict=True):
         assert prompt.startswith(f"query: {query}\ncatalog: ")
         listed = prompt.split("catalog: ", 1)[1].split("\nfan-out:", 1)[0].split("; ")
-        assert listed == context_names(bundle.index, names, row[None], 4, [query])[0]
-    assert PromptBuilder(bundle.index, texts, 0).prompts(queries, emb) == [
+        assert listed == context_names(Candidates(bundle.index), names, [query], row[None], 4)[0]
+    assert PromptBuilder(Candidates(bundle.index), texts, 0).prompts(queries, emb) == [
         build_prompt(q) for q in queries]
     assert prompts[0].split("catalog: ")[1] != prompts[1].split("catalog: ")[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from service.fanout.candidates import Candidates
 from service.fanout.grounding import NameGrounding
 
 TEXTS = ["Bass: the lowest part in polyphonic music", "bass, sea bass: a marine fish",
@@ -44,11 +45,12 @@ def test_prompt_neighbourhood_is_the_items_the_prompt_names_in_its_order() -> No
     emb = np.eye(6, dtype=np.float32)
     query = np.array([[0.3, 0.25, 0.2, 0.5, 0.1, 0.0]], dtype=np.float32)
     query /= np.linalg.norm(query)
-    prompt = PromptNeighbourhood(build_index(emb), texts, emb, 3)
+    prompt = PromptNeighbourhood(Candidates(build_index(emb)), texts, emb, 3)
     rows = prompt.rows(["camping"], query)
     # nearest first: camping (the query's own name, skipped), tent, Tent (same name), stove
     assert rows.tolist() == [[0, 2, 4]]
-    names = prompt_context(PromptBuilder(build_index(emb), texts, 3).prompts(["camping"], query)[0])
+    builder = PromptBuilder(Candidates(build_index(emb)), texts, 3)
+    names = prompt_context(builder.prompts(["camping"], query)[0])
     assert [prompt.names[r] for r in rows[0]] == names == ["tent", "stove", "lamp"]
-    wide = PromptNeighbourhood(build_index(emb), texts, emb, 7).rows(["camping"], query)
+    wide = PromptNeighbourhood(Candidates(build_index(emb)), texts, emb, 7).rows(["camping"], query)
     assert wide.tolist() == [[0, 2, 4, 5, 0, 2, 4]]  # four distinct names, repeated in order

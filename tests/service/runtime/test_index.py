@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from service.fanout.candidates import Candidates
 from service.runtime.index import build_index, neighbour_rows, neighbourhood
 
 
@@ -60,11 +61,11 @@ def test_the_diffusion_context_follows_the_source_its_sampler_records(small_bund
     assert np.array_equal(nearest, neighbourhood(bundle.index, bundle.items.embeddings,
                                                  queries, 4))
     named = DiffusionContext(bundle, {"context": 4, "context_source": "prompt"})(texts, queries)
-    rows = PromptNeighbourhood(bundle.index, bundle.items.texts, bundle.items.embeddings,
-                               4).rows(texts, queries)
+    rows = PromptNeighbourhood(Candidates(bundle.index), bundle.items.texts,
+                               bundle.items.embeddings, 4).rows(texts, queries)
     assert np.array_equal(named, bundle.items.embeddings[rows])
     top = neighbour_rows(bundle.index, queries[:1], 1)[0, 0]  # the "dog" vector's nearest item
-    own = PromptNeighbourhood(bundle.index, bundle.items.texts, bundle.items.embeddings,
+    own = PromptNeighbourhood(Candidates(bundle.index), bundle.items.texts, bundle.items.embeddings,
                               4).names[top]
     skipped = DiffusionContext(bundle, {"context": 4, "context_source": "prompt"})([own],
                                                                                   queries[:1])

@@ -32,6 +32,7 @@ def test_reach_bounds_coverage_and_equals_it_for_single(small_bundle_dir):
 def test_ceilings_report_every_source(small_bundle_dir):
     path = run_ceilings(small_bundle_dir, "test")
     rows = {r["candidates"]: r for r in json.loads(path.read_text())["rows"]}
-    assert {"prompt names (16)", "dense (16)", "lexical (50)", "hybrid (50)"} <= set(rows)
+    assert {"prompt names, dense (16)", "prompt names, hybrid (24)", "dense (16)", "lexical (50)",
+            "hybrid (50)"} <= set(rows)
     assert rows["dense (100)"]["ceiling@10"] >= rows["dense (16)"]["ceiling@10"]
     assert path.with_suffix(".md").is_file()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
+from service.fanout.candidates import Candidates
 from service.paths.diffusion import draw_rows
 from service.paths.resolution import first_distinct_rows
 from service.runtime.encoder import Encoder
@@ -96,8 +97,8 @@ def test_a_bundle_trained_on_prompt_contexts_serves_with_them(bundle, tmp_path):
     answers = DiffusionPath(served, encoder, sampler, seed=0)([PathQuery("dog", 10)])
     assert len(set(answers[0].selection.rows)) == 10
     queries = encoder.encode(["dog"])
-    rows = PromptNeighbourhood(served.index, served.items.texts, served.items.embeddings,
-                               4).rows(["dog"], queries)
+    rows = PromptNeighbourhood(Candidates(served.index), served.items.texts,
+                               served.items.embeddings, 4).rows(["dog"], queries)
     assert np.allclose(calls[0][1], served.items.embeddings[rows])
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from service.fanout.candidates import Candidates
 from tests.training.stage3_diffusion.proxy_dataset import synthetic_blocks, synthetic_neighbourhood
 from training.stage3_diffusion.denoiser import (
     PRESETS,
@@ -110,7 +111,7 @@ def test_a_prompt_context_is_the_items_each_querys_prompt_names():
     nearest = np.argsort(-(data.query_emb @ data.catalog.T), axis=1)  # (N, M)
     texts = [f"item {j}: synthetic" for j in range(len(data.catalog))]
     texts[nearest[0, 0]] = f"{data.queries[0]}: the query's own item"  # its prompt skips it
-    prompt = PromptNeighbourhood(build_index(data.catalog), texts, data.catalog, 4)
+    prompt = PromptNeighbourhood(Candidates(build_index(data.catalog)), texts, data.catalog, 4)
     neighbours = block_neighbourhood(data, None, data.catalog, 4, prompt)
     assert neighbours.rows.shape == (len(data.query_emb), 4)
     for block in range(len(data.query_emb)):
@@ -122,11 +123,15 @@ def test_a_prompt_context_must_name_as_many_items_as_the_teachers_prompts(tmp_pa
     from service.errors import BundleError
     from training.stage3_diffusion.trainer import prompt_context
 
-    prompt_context(tmp_path, 16)  # no record: nothing to check
+    prompt_context(tmp_path, 16, "hybrid")  # no record: nothing to check
     (tmp_path / "config.json").write_text('{"stage": "synthesis", "context": 16}')
-    prompt_context(tmp_path, 16)
+    prompt_context(tmp_path, 16, "dense")  # a record without a source named dense candidates
     with pytest.raises(BundleError, match="named 16 items"):
-        prompt_context(tmp_path, 8)
+        prompt_context(tmp_path, 8, "dense")
+    with pytest.raises(BundleError, match="'dense' candidates"):
+        prompt_context(tmp_path, 16, "hybrid")
+    (tmp_path / "config.json").write_text('{"context": 16, "candidates": "hybrid"}')
+    prompt_context(tmp_path, 16, "hybrid")
 
 
 def test_new_options_keep_old_configs_and_their_hashes():
@@ -137,6 +142,11 @@ def test_new_options_keep_old_configs_and_their_hashes():
     assert DenoiserConfig.from_dict(prompt.to_dict()) == prompt
     with pytest.raises(ValueError, match="context_source"):
         preset("cpu", context_source="random")
+    dense = preset("cpu", candidates="dense")
+    assert "candidates" not in dense.to_dict()
+    assert DenoiserConfig.from_dict(preset("cpu").to_dict()).candidates == "hybrid"
+    with pytest.raises(ValueError, match="candidates"):
+        preset("cpu", candidates="nearest")
 
 
 def test_configs_naming_removed_options_load_at_their_surviving_value():
