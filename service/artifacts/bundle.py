@@ -46,10 +46,11 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "catalog": (),
     "lexical": ("catalog",),
     "benchmark": ("catalog",),
-    "folm-warmstart": ("catalog", "benchmark"),
-    "folm": ("catalog", "benchmark", "folm-warmstart"),
-    "synthesis": ("catalog", "benchmark", "folm"),
-    "diffusion": ("catalog", "synthesis"),
+    # stages 1-3 read the lexical index through their prompts' candidates
+    "folm-warmstart": ("catalog", "lexical", "benchmark"),
+    "folm": ("catalog", "lexical", "benchmark", "folm-warmstart"),
+    "synthesis": ("catalog", "lexical", "benchmark", "folm"),
+    "diffusion": ("catalog", "lexical", "synthesis"),
 }
 
 

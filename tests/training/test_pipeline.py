@@ -70,6 +70,7 @@ def test_a_built_bundle_is_current_and_rebuilds_nothing(built, capsys) -> None:
     stages = first["stages"]
     assert stages["benchmark"]["inputs"] == {"catalog": stage_hash(first, "catalog")}
     assert stages["diffusion"]["inputs"] == {"catalog": stage_hash(first, "catalog"),
+                                             "lexical": stage_hash(first, "lexical"),
                                              "synthesis": stage_hash(first, "synthesis")}
     assert stages["folm"]["inputs"]["folm-warmstart"] == stage_hash(first, "folm-warmstart")
     capsys.readouterr()
@@ -121,8 +122,8 @@ def test_a_catalog_change_rebuilds_every_stage_downstream(built, tmp_path, capsy
     manifest = build_bundle(bundle, changed, presets="tiny")
     out = capsys.readouterr().out
     assert "catalog: rebuild (config changed)" in out
-    assert "folm-warmstart: rebuild (catalog, benchmark changed)" in out
-    assert "diffusion: rebuild (catalog, synthesis changed)" in out
+    assert "folm-warmstart: rebuild (catalog, lexical, benchmark changed)" in out
+    assert "diffusion: rebuild (catalog, lexical, synthesis changed)" in out
     assert "lexical: rebuild (catalog changed)" in out
     plan = plan_of(bundle)
     assert all(plan[name].startswith("rebuild") for name in PIPELINE)
