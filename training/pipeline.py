@@ -118,10 +118,12 @@ def stage_keys(catalog: CatalogConfig, configs: StageConfigs | None = None) -> d
                              "benchmark": _benchmark_key(catalog)}
     if configs is not None:
         from training.stage1_fanout.export import policy_stage_config
+        from training.stage1_fanout.policy import POLICY_PRESETS
         from training.stage2_synthesis.synthesis import synthesis_stage_config
         from training.stage3_diffusion.export import diffusion_stage_config
 
-        keys["folm-warmstart"] = policy_stage_config(asdict(configs.warmstart))
+        keys["folm-warmstart"] = policy_stage_config(
+            asdict(configs.warmstart), asdict(POLICY_PRESETS[configs.warmstart.preset]))
         keys["folm"] = policy_stage_config(asdict(configs.grpo))
         keys["synthesis"] = synthesis_stage_config(configs.synthesis)
         keys["diffusion"] = diffusion_stage_config(configs.export,

@@ -193,6 +193,21 @@ def test_stage_status_follows_config_and_inputs() -> None:
     assert stage_status(manifest, "benchmark", {})[0] == "rebuild"
 
 
+def test_the_warm_starts_key_holds_the_policy_it_builds(monkeypatch) -> None:
+    """A prompt (or architecture) change of the policy preset alone rebuilds stage 1."""
+    from training.pipeline import stage_keys
+    from training.stage1_fanout import policy
+
+    catalog = CatalogConfig(source="wordnet")
+    before = stage_keys(catalog, stage_configs("tiny"))
+    wider = replace(policy.POLICY_PRESETS["tiny"], context=6, candidates="dense")
+    monkeypatch.setitem(policy.POLICY_PRESETS, "tiny", wider)
+    after = stage_keys(catalog, stage_configs("tiny"))
+    assert after["folm-warmstart"]["policy"]["candidates"] == "dense"
+    assert after["folm-warmstart"] != before["folm-warmstart"]
+    assert after["folm"] == before["folm"]  # GRPO's own config is unchanged; its input is not
+
+
 def test_build_status_of_a_dead_build_reads_failed_and_a_live_one_blocks(tmp_path) -> None:
     assert read_build_status(tmp_path) is None
     status = {"state": "running", "pid": 2**22 + 12345, "plan": [], "finished": [],

@@ -158,10 +158,12 @@ def export_folder(checkpoint: Path, out_dir: Path) -> dict[str, Any]:
     return config
 
 
-def policy_stage_config(training: dict[str, Any]) -> dict[str, Any]:
+def policy_stage_config(training: dict[str, Any],
+                        policy: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config a FOLM stage is current by: its checkpoint's training config (`folm-warmstart`:
-    the WarmStartConfig, `folm`: the GrpoConfig), as `training.pipeline` compares it."""
-    return {"training": training}
+    the WarmStartConfig and the PolicyConfig it builds, `folm`: the GrpoConfig; the policy it
+    inherits is the warm start's), as `training.pipeline` compares it."""
+    return {"training": training} if policy is None else {"training": training, "policy": policy}
 
 
 def commit_policy(bundle_dir: Path, checkpoint: Path, name: str) -> dict[str, Any]:
@@ -172,7 +174,8 @@ def commit_policy(bundle_dir: Path, checkpoint: Path, name: str) -> dict[str, An
     folder = FOLDERS[name]
     manifest = read_manifest(bundle_dir)
     meta = policy_meta(checkpoint)
-    key = policy_stage_config(meta.get("config", {}))
+    key = policy_stage_config(meta.get("config", {}),
+                              meta.get("policy") if name == "folm-warmstart" else None)
     record = {
         "config": key, "config_hash": config_hash(key), "checkpoint": str(checkpoint),
         "training_wall_s": meta.get("wall_s"), "training_ledger": meta.get("ledger"),
