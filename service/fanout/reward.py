@@ -3,13 +3,17 @@
 R(q, Q) = w_g·groundedness + w_d·diversity + w_a·alignment, weights 0.6/0.2/0.2 (paper §2.2):
 - groundedness: mean over the k slots of max(0, cos(sub-query, nearest catalog item));
 - diversity: Vendi score of the slots' top-1 items, normalised to [0, 1] as (VS − 1)/(k − 1);
-- alignment: mean over the k slots of max(0, cos(sub-query, query)).
+- alignment: mean over the k slots of max(0, cos(sub-query, query));
+- aboutness (not in the paper; weight 0 in its composite): share of the k slots whose item's text
+  the lexical index matches to the query (`about`, given per slot by the caller): computed on
+  what a sub-query retrieves, not on its vector.
 A slot that is missing, empty or a duplicate of an earlier slot is invalid and scores 0 on
 every term, so malformed candidates score low by construction.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 import faiss
@@ -23,6 +27,7 @@ class RewardWeights:
     ground: float = 0.6
     diversity: float = 0.2
     alignment: float = 0.2
+    about: float = 0.0
 
 
 @dataclass
@@ -32,6 +37,7 @@ class RewardTerms:
     ground: np.ndarray
     diversity: np.ndarray
     alignment: np.ndarray
+    about: np.ndarray
     total: np.ndarray
     n_valid: np.ndarray
 
@@ -73,11 +79,13 @@ def reward_terms(
     nearest_sim: np.ndarray,
     nearest_emb: np.ndarray,
     weights: RewardWeights = RewardWeights(),
+    about: np.ndarray | None = None,
 ) -> RewardTerms:
     """Score G candidates of k probes each.
 
     query: (d,) or (G, d); probes: (G, k, d); valid: (G, k) bool;
-    nearest_sim: (G, k) cosine of each probe to its nearest item; nearest_emb: (G, k, d).
+    nearest_sim: (G, k) cosine of each probe to its nearest item; nearest_emb: (G, k, d);
+    about: (G, k) bool, each slot's item matched to the query (None: no slot is).
     """
     g, k, _ = probes.shape
     q = np.broadcast_to(np.asarray(query, dtype=np.float64), (g, probes.shape[-1]))  # (G, d)
@@ -87,8 +95,10 @@ def reward_terms(
     alignment = (np.clip(cos_q, 0.0, 1.0) * valid).sum(axis=1) / k  # (G,)
     vs = vendi_score(nearest_emb, valid)  # (G,)
     diversity = np.clip((vs - 1.0) / max(k - 1, 1), 0.0, 1.0)
-    total = weights.ground * ground + weights.diversity * diversity + weights.alignment * alignment
-    return RewardTerms(ground, diversity, alignment, total, valid.sum(axis=1))
+    about_share = np.zeros(g) if about is None else (about & valid).sum(axis=1) / k  # (G,)
+    total = (weights.ground * ground + weights.diversity * diversity
+             + weights.alignment * alignment + weights.about * about_share)
+    return RewardTerms(ground, diversity, alignment, about_share, total, valid.sum(axis=1))
 
 
 def score_probes(
@@ -98,11 +108,16 @@ def score_probes(
     probes: np.ndarray,
     valid: np.ndarray | None = None,
     weights: RewardWeights = RewardWeights(),
+    about_rows: Sequence[Container[int]] | None = None,
 ) -> RewardTerms:
-    """Resolve each probe to its nearest catalog item, then score. probes: (G, k, d)."""
+    """Resolve each probe to its nearest catalog item, then score. probes: (G, k, d);
+    about_rows: per candidate, the rows whose text is about its query (aboutness)."""
     g, k, d = probes.shape
     if valid is None:
         valid = np.ones((g, k), dtype=bool)
     sims, rows = search(index, probes.reshape(g * k, d), 1)  # (G·k, 1)
-    nearest_emb = item_embeddings[rows[:, 0]].reshape(g, k, d)  # (G, k, d)
-    return reward_terms(query, probes, valid, sims[:, 0].reshape(g, k), nearest_emb, weights)
+    nearest = rows[:, 0].reshape(g, k)  # (G, k)
+    about = None if about_rows is None else np.array(
+        [[int(r) in about_rows[i] for r in nearest[i]] for i in range(g)], dtype=bool)
+    return reward_terms(query, probes, valid, sims[:, 0].reshape(g, k),
+                        item_embeddings[nearest], weights, about)

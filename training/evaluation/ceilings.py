@@ -1,6 +1,8 @@
 """Label ceilings of candidate generation: for each source and size, the coverage@10 of the
 best 10 picks among its candidates (`best_coverage`). A diagnostic that says, before any
 training, how far a fan-out choosing from those candidates could go; never a training signal.
+Beside them, how far each label-free stage-1 reward could take a choice among the default
+prompt's names (training/evaluation/objectives.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from service.fanout.grounding import PromptNeighbourhood
 from service.runtime.encoder import Encoder
 from training.data.splits import load_split
 from training.evaluation.metrics import best_coverage
+from training.evaluation.objectives import objective_rows
 
 SOURCES = (("dense", 16), ("dense", 100), ("dense", 500), ("lexical", 50), ("lexical", 100),
            ("hybrid", 50), ("hybrid", 100))
@@ -50,7 +53,8 @@ def ceilings(bundle: Bundle, split: str = "val") -> dict[str, Any]:
                   for rows_i, q in zip(candidates, queries, strict=True)]
         rows.append({"candidates": name, "ceiling@10": float(np.nanmean(values)),
                      "median_size": float(np.median([len(c) for c in candidates]))})
-    return {"split": split, "n_queries": len(queries), "rows": rows}
+    objectives = objective_rows(bundle, queries) if bundle.lexical is not None else []
+    return {"split": split, "n_queries": len(queries), "rows": rows, "objectives": objectives}
 
 
 def write_ceilings(bundle_dir: Path, report: dict[str, Any]) -> Path:
@@ -64,6 +68,13 @@ def write_ceilings(bundle_dir: Path, report: dict[str, Any]) -> Path:
              "| candidates | best 10 picks: coverage@10 | median candidates |", "|---|---:|---:|"]
     lines += [f"| {r['candidates']} | {r['ceiling@10']:.3f} | {r['median_size']:.0f} |"
               for r in report["rows"]]
+    if report.get("objectives"):
+        lines += ["", "## Label-free objectives, maximised greedily over the default prompt's "
+                  f"names ({report['objectives'][0]['candidates']})", "",
+                  "| objective (stage-1 reward) | coverage@10 of its best set | ± se |",
+                  "|---|---:|---:|"]
+        lines += [f"| {r['objective']} | {r['coverage@10']:.3f} | {r['se']:.3f} |"
+                  for r in report["objectives"]]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return path
 

@@ -21,6 +21,7 @@ from service.fanout.format import item_name, item_names
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
 from training.stage1_fanout.grpo import (
+    PAPER_MODES,
     REWARD_MODES,
     TERM_WEIGHTS,
     FanoutScorer,
@@ -95,7 +96,7 @@ def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int =
                     decoding: str = "lines", best_of: int = 0) -> Path:
     """Sampled fan-outs (T=1, the GRPO temperature) of each run on val query texts, decoded
     as the runs sampled (`decoding`); with `best_of` N > 0, also the first checkpoint's (the
-    warm start's) best of N samples under each reward of REWARD_MODES.
+    warm start's) best of N samples under each of the paper's rewards (PAPER_MODES).
 
     Writes runs/ablation/report.{json,md}.
     """
@@ -109,7 +110,7 @@ def ablation_report(bundle_dir: Path, checkpoints: dict[str, Path], limit: int =
               for name, checkpoint in checkpoints.items()}
     if best_of > 0:
         samples = sample(next(iter(checkpoints.values())), best_of)
-        for mode in REWARD_MODES:
+        for mode in PAPER_MODES:
             chosen = best_of_n(scorer, queries, samples, best_of, mode)
             report[f"best-of-{best_of} by {mode}"] = collapse_signatures(scorer, queries, chosen)
     out = bundle_dir / "runs" / "ablation"

@@ -12,7 +12,9 @@ from training.stage1_fanout.ablation import ablation_report
 from training.stage1_fanout.grpo import (
     ABLATION,
     GRPO_PRESETS,
+    PAPER_MODES,
     REWARD_MODES,
+    GrpoConfig,
     resolve_config,
     train_grpo,
 )
@@ -27,7 +29,7 @@ def cmd_train_folm(args: argparse.Namespace) -> None:
     if args.warmstart_only:
         return
     ablation = args.reward == "ablation"
-    modes = list(REWARD_MODES) if ablation else [args.reward]
+    modes = list(PAPER_MODES) if ablation else [args.reward]
     flags = given(args, "steps", "lr", "queries_per_step", "decoding", "threads", "beta",
                   "temperature")
     if ablation:  # the flags override ABLATION's settings, as they override the preset's
@@ -44,11 +46,14 @@ def cmd_train_folm(args: argparse.Namespace) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """`r4t train folm [--preset cpu|tiny] [--reward ground|ground+align|all|ablation]`."""
+    """`r4t train folm [--preset cpu|tiny] [--reward about|all|ground|ground+align|ablation]`."""
     what = subcommand_group(sub, "train", "train models")
     folm = what.add_parser("folm", help="warm start + GRPO of the fan-out LM")
     folm.add_argument("--preset", default="cpu", choices=sorted(GRPO_PRESETS))
-    folm.add_argument("--reward", default="all", choices=[*REWARD_MODES, "ablation"])
+    folm.add_argument("--reward", default=GrpoConfig.reward,
+                      choices=[*REWARD_MODES, "ablation"],
+                      help="'all' is the paper's composite; 'about' the label-free objective "
+                      "chosen on val (docs/experiments.md)")
     folm.add_argument("--steps", type=positive, default=None,
                       help="GRPO steps (default: the preset's)")
     folm.add_argument("--ablation-best-of", type=non_negative, default=64,

@@ -190,8 +190,11 @@ def commit_policy(bundle_dir: Path, checkpoint: Path, name: str) -> dict[str, An
 
 
 def default_checkpoint(bundle_dir: Path, name: str) -> Path:
-    run = "folm-warmstart" if name == "folm-warmstart" else "folm-all"
-    return bundle_dir / "runs" / run / "final"
+    from training.stage1_fanout.grpo import GRPO_PRESETS, run_dir_for
+
+    if name == "folm-warmstart":
+        return bundle_dir / "runs" / "folm-warmstart" / "final"
+    return run_dir_for(bundle_dir, GRPO_PRESETS["cpu"].reward) / "final"
 
 
 def cmd_export(args: argparse.Namespace) -> None:

@@ -1,13 +1,15 @@
-"""Stage 1: GRPO of the fan-out LM on the composite reward, with TRL's `GRPOTrainer`.
+"""Stage 1: GRPO of the fan-out LM on a label-free set reward, with TRL's `GRPOTrainer`.
 
-Reward functions (one per term, built on `service.fanout.reward`): groundedness, diversity (Vendi)
-and alignment, weighted 0.6/0.2/0.2 (paper §2.2); GRPO normalises the weighted sum within
-each group of 8 completions. KL: TRL's per-token k3 estimator of the reverse KL(π‖π_ref),
+Reward functions (one per term, built on `service.fanout.reward`): the paper's groundedness,
+diversity (Vendi) and alignment, weighted 0.6/0.2/0.2 (§2.2, `--reward all`), and aboutness
+(`--reward about`, the default: the share of slots whose item the lexical index matches to the
+query); GRPO normalises the weighted sum within each group of 8 completions.
+KL: TRL's per-token k3 estimator of the reverse KL(π‖π_ref),
 exp(r) − r − 1 with r = log π_ref − log π, added to the loss with weight `beta` against the
 frozen warm-start policy (the paper's Soft-GRPO used forward and reverse KL; we use reverse).
 Both log-probabilities are taken over the tokens the decoding grammar allowed, the distribution
 the policy sampled from (training/stage1_fanout/grpo_trainer.py).
-Ablations: `--reward ground`, `ground+align` or `all` (the default) select which terms count;
+Ablations: `--reward ground`, `ground+align` or `all` select which of the paper's terms count;
 `--reward ablation` runs the three and writes their report (training/stage1_fanout/ablation.py).
 
 Run directory `models/<bundle>/runs/folm-<reward>/`: config.json, checkpoint-*/ (resumable),
@@ -37,15 +39,19 @@ from training.commands import given
 REWARD_MODES: dict[str, tuple[str, ...]] = {
     "ground": ("ground",),
     "ground+align": ("ground", "alignment"),
-    "all": ("ground", "diversity", "alignment"),
+    "all": ("ground", "diversity", "alignment"),  # the paper's composite
+    "about": ("about",),
 }
-TERM_WEIGHTS = {"ground": 0.6, "diversity": 0.2, "alignment": 0.2}
+PAPER_MODES = ("ground", "ground+align", "all")  # `--reward ablation`: which paper terms count
+TERM_WEIGHTS = {"ground": 0.6, "diversity": 0.2, "alignment": 0.2, "about": 1.0}
+ABOUT_DEPTH = 100  # an item is about a query when it is among the query's 100 best BM25 matches
 
 
 @dataclass(frozen=True)
 class GrpoConfig:
     preset: str = "cpu"
-    reward: str = "all"
+    # the label-free objective chosen on val (`r4t eval --ceilings`' objective table): "about"
+    reward: str = "about"
     steps: int = 250  # ~2.1 s per step with the catalog-context prompt: stage 1 ≈ 28 min
     queries_per_step: int = 4  # prompts per step; completions = queries × num_generations
     num_generations: int = 8  # the paper's group size
@@ -102,6 +108,7 @@ class FanoutScorer:
         self.bundle, self.encoder, self.k = bundle, encoder, k
         self.grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
         self._query_cache: dict[str, np.ndarray] = {}
+        self._about: dict[str, frozenset[int]] = {}
         self._builders: dict[tuple[int, str], PromptBuilder] = {}
         self._last: tuple[tuple[str, ...], RewardTerms, list[ParsedFanout]] | None = None
 
@@ -110,6 +117,16 @@ class FanoutScorer:
         if missing:
             self._query_cache.update(zip(missing, self.encoder.encode(missing), strict=True))
         return np.stack([self._query_cache[q] for q in queries])  # (G, d)
+
+    def about_rows(self, queries: list[str]) -> list[frozenset[int]]:
+        """Per query, the rows whose text the lexical index matches to it (empty without one)."""
+        missing = [q for q in dict.fromkeys(queries) if q not in self._about]
+        if missing:
+            found = (self.bundle.lexical.search(missing, ABOUT_DEPTH) if self.bundle.lexical
+                     else [np.zeros(0, dtype=np.int64)] * len(missing))
+            self._about.update({q: frozenset(r.tolist()) for q, r in zip(missing, found,
+                                                                         strict=True)})
+        return [self._about[q] for q in queries]
 
     def prompts(self, queries: list[str], policy: dict[str, Any]) -> list[str]:
         """The prompts of a policy (its folm.json / config `policy`): each query's `context`
@@ -129,7 +146,7 @@ class FanoutScorer:
         probes = embed_subqueries(self.encoder, self.grounding, parsed, query_emb)  # (G, k, d)
         valid = np.stack([p.scored for p in parsed])  # (G, k); > k lines scores 0
         terms = score_probes(self.bundle.index, self.bundle.items.embeddings, query_emb, probes,
-                             valid, RewardWeights())
+                             valid, RewardWeights(), self.about_rows(queries))
         self._last = (key, terms, parsed)
         return terms, parsed
 
@@ -142,7 +159,7 @@ def reward_functions(scorer: FanoutScorer, mode: str) -> tuple[list[Callable], l
                    **kwargs: Any) -> list[float]:
             terms, parsed = scorer.score(list(query), list(completions))
             log = kwargs.get("log_metric")
-            if log is not None and term == "ground":
+            if log is not None and term == REWARD_MODES[mode][0]:  # once per batch
                 log("distinct_subqueries", float(np.mean([p.scored.sum() for p in parsed])))
                 log("well_formed", float(np.mean([p.well_formed for p in parsed])))
                 log("composite", float(terms.total.mean()))

@@ -465,8 +465,10 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         keep_top_frac=args.keep_top_frac, threads=args.threads, seed=args.seed,
         decoding=args.decoding,
     )
-    checkpoint = Path(args.checkpoint) if args.checkpoint else \
-        args.bundle / "runs" / "folm-all" / "final"
+    from training.stage1_fanout.export import default_checkpoint
+
+    checkpoint = (Path(args.checkpoint) if args.checkpoint
+                  else default_checkpoint(args.bundle, "folm"))
     run_dir = Path(args.run_dir) if args.run_dir else None
     queries = None
     if args.limit:
@@ -492,7 +494,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     syn.add_argument("--backend", default="local", choices=("local", "torch", "http"))
     syn.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL (http)")
     syn.add_argument("--model", default="folm", help="model name for the http backend")
-    syn.add_argument("--checkpoint", default=None, help="policy HF folder (runs/folm-all/final)")
+    syn.add_argument("--checkpoint", default=None,
+                     help="policy HF folder (default: the cpu preset's GRPO run's final/)")
     syn.add_argument("--keep-top-frac", type=float, default=None,
                      help="keep each query's best fraction by reward (default: keep all)")
     syn.add_argument("--run-dir", default=None, help="default models/<bundle>/runs/synthesis")

@@ -66,6 +66,20 @@ def test_ablation_modes_pick_terms_and_weights(scorer: FanoutScorer) -> None:
         funcs, weights = reward_functions(scorer, mode)
         assert [f.__name__ for f in funcs] == names
         assert len(weights) == len(names) and weights[0] == 0.6
+    funcs, weights = reward_functions(scorer, "about")
+    assert [f.__name__ for f in funcs] == ["about"] and weights == [1.0]
+
+
+def test_aboutness_is_the_share_of_items_whose_text_the_lexical_index_matches(
+    scorer: FanoutScorer,
+) -> None:
+    camping = scorer.score(["camping"], [GOOD])[0].about[0]
+    music = scorer.score(["music"], [GOOD])[0].about[0]
+    assert camping == 1.0 and music == 0.0  # every GOOD item is a camping item
+    half = format_fanout(["tent", "lantern", "compass", "backpack", "tarp", "violin", "cello",
+                          "trumpet", "flute", "drum"])
+    assert scorer.score(["camping"], [half])[0].about[0] == 0.5
+    assert scorer.score(["camping"], [format_fanout(["tent"] * 10)])[0].about[0] == 0.1
 
 
 def test_one_grpo_step_changes_the_weights(
@@ -96,7 +110,7 @@ def test_one_grpo_step_changes_the_weights(
     assert len(calls) >= 2, "GRPO scored its completions without the decoding mask"
     assert all(a == b == c for a, b, c in calls)
     record = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert record["config"]["reward"] == "all" and record["ledger"]["steps"] == 1
+    assert record["config"]["reward"] == "about" and record["ledger"]["steps"] == 1
     curves = json.loads((tmp_path / "run" / "curves.json").read_text())
     assert curves["step"] == [1] and curves["ground"][0] is not None
     assert (tmp_path / "run" / "curves.png").stat().st_size > 0
