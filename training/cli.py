@@ -47,7 +47,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from service.runtime.encoder import Encoder
     from training.evaluation.baselines import BASELINES
     from training.evaluation.fanout import FANOUT_METHODS
-    from training.evaluation.harness import METHODS, evaluate, results_table, write_report
+    from training.evaluation.harness import (
+        METHODS,
+        evaluate,
+        paired_table,
+        results_table,
+        write_report,
+    )
 
     if args.ceilings:
         from training.evaluation.ceilings import run_ceilings
@@ -72,6 +78,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
                           seeds=args.seeds, **options)
         print(f"wrote {write_report(args.bundle, report)}")
     print(results_table(args.bundle))
+    print(paired_table(args.bundle, args.split))
 
 
 def cmd_table(args: argparse.Namespace) -> None:

@@ -46,6 +46,7 @@ DIAGNOSTICS = ("distinct_subqueries", "recall@5k_union", "pool_size", "union_poo
 METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS,
                                              "diffusion": diffusion}
 PER_SEED = ("recall@5k", "coverage@10", "reward")  # per-seed means kept in the diagnostics
+PAIRED = ("coverage@10", "recall@5k")  # per-query means kept, for paired comparisons
 DIAGNOSTICS_DIR = "diagnostics"  # per-report extras kept apart so reports keep their exact shape
 
 
@@ -105,6 +106,8 @@ def evaluate(
     diagnostics["seeds"] = len(runs)
     diagnostics["per_seed"] = {name: [_mean([r[name] for r in seed_rows]) for seed_rows in runs]
                                for name in PER_SEED}
+    diagnostics["per_query"] = {name: [_mean([seed_rows[i][name] for seed_rows in runs])
+                                       for i in range(len(queries))] for name in PAIRED}
     return {"method": method, "split": split, "n_queries": len(queries), "k": k,
             "metrics": metrics, "diagnostics": diagnostics}
 
@@ -163,6 +166,31 @@ def results_table(bundle_dir: Path) -> str:
         cells.append(_fmt(distinct.get("distinct_subqueries")))
         head = f"| {r['method']} | {r['split']} | {r['n_queries']} | "
         lines.append(head + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def paired_table(bundle_dir: Path, split: str, reference: str = "diffusion") -> str:
+    """Markdown: `reference` minus each other method on `split`, paired over queries (mean
+    difference ± its standard error), from the reports' per-query means."""
+    directory = bundle_dir / REPORTS_DIR / DIAGNOSTICS_DIR
+    per_query = {p.name[: -len(f"-{split}.json")]: json.loads(p.read_text()).get("per_query")
+                 for p in sorted(directory.glob(f"*-{split}.json"))}
+    base = per_query.get(reference)
+    if not base:
+        return ""
+    lines = [f"## {reference} minus each method on {split}, paired over queries", "",
+             "| method | " + " | ".join(f"Δ {m} ± se" for m in PAIRED) + " |",
+             "|---|" + "---:|" * len(PAIRED)]
+    for method, other in per_query.items():
+        if method == reference or not other:
+            continue
+        cells = []
+        for name in PAIRED:
+            diff = np.asarray(base[name], dtype=float) - np.asarray(other[name], dtype=float)
+            diff = diff[np.isfinite(diff)]
+            se = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else 0.0
+            cells.append(f"{diff.mean():+.3f} ± {se:.3f}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

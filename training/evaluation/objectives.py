@@ -48,6 +48,10 @@ def greedy_set(mode: str, query: np.ndarray, items: np.ndarray, about: np.ndarra
     return chosen
 
 
+def standard_error(values: np.ndarray) -> float:
+    return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
 def objective_rows(bundle: Bundle, queries: list[BenchmarkQuery]) -> list[dict[str, Any]]:
     """Coverage@10 (mean, standard error) of each reward's greedy set and of the prompt order."""
     policy = POLICY_PRESETS["cpu"]
@@ -71,6 +75,6 @@ def objective_rows(bundle: Bundle, queries: list[BenchmarkQuery]) -> list[dict[s
                            for c, q in zip(chosen, queries, strict=True)])
         values = values[~np.isnan(values)]
         out.append({"objective": name, "coverage@10": float(values.mean()),
-                    "se": float(values.std(ddof=1) / np.sqrt(len(values))),
+                    "se": standard_error(values),
                     "candidates": f"{policy.candidates} ({policy.context})"})
     return out

@@ -107,3 +107,19 @@ def test_counts_on_the_command_line_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "folm", "--ablation-best-of", "-1"])
     assert "must be at least 0" in capsys.readouterr().err
+
+
+def test_paired_table_is_the_mean_per_query_difference(tmp_path):
+    from training.evaluation.harness import paired_table
+
+    directory = tmp_path / "eval" / "diagnostics"
+    directory.mkdir(parents=True)
+    per_query = {"diffusion": [0.5, 0.3, 0.4], "single": [0.2, 0.3, 0.1]}
+    for method, coverage in per_query.items():
+        record = {"per_query": {"coverage@10": coverage, "recall@5k": [0.5, 0.5, 0.5]}}
+        (directory / f"{method}-val.json").write_text(json.dumps(record))
+    table = paired_table(tmp_path, "val")
+    diff = np.array([0.3, 0.0, 0.3])
+    se = diff.std(ddof=1) / np.sqrt(3)
+    assert f"| single | {diff.mean():+.3f} ± {se:.3f} | +0.000 ± 0.000 |" in table
+    assert paired_table(tmp_path, "test") == ""  # nothing to compare
