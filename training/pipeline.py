@@ -44,7 +44,7 @@ from service.artifacts.bundle import (
     write_json_atomic,
 )
 from service.artifacts.items import ItemStore
-from service.artifacts.lexical import LEXICAL_FILE, TOKENIZER, build_lexical_index
+from service.artifacts.lexical import LEXICAL_FILE, MAX_DF, TOKENIZER, build_lexical_index
 from service.errors import BundleError
 from service.runtime.encoder import Encoder, EncoderConfig
 from service.runtime.index import build_index, save_index
@@ -77,7 +77,7 @@ class CatalogConfig:
     seed: int = 0
 
 
-LEXICAL_KEY: dict[str, Any] = {"engine": "sqlite-fts5", "tokenize": TOKENIZER}
+LEXICAL_KEY: dict[str, Any] = {"engine": "sqlite-fts5", "tokenize": TOKENIZER, "max_df": MAX_DF}
 
 CATALOG_PRESETS: dict[str, CatalogConfig] = {"default": CatalogConfig()}
 

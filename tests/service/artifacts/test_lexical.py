@@ -7,7 +7,13 @@ import shutil
 import pytest
 
 from service.artifacts.bundle import load_bundle
-from service.artifacts.lexical import LEXICAL_FILE, match_expression
+from service.artifacts.lexical import (
+    LEXICAL_FILE,
+    LexicalIndex,
+    build_lexical_index,
+    frequent_words,
+    match_expression,
+)
 from service.errors import BundleError
 
 
@@ -39,3 +45,15 @@ def test_a_corrupted_lexical_index_is_refused(small_bundle_dir, tmp_path):
 ])
 def test_queries_become_quoted_word_alternatives(query, expression):
     assert match_expression(query) == expression
+
+
+def test_words_in_most_texts_are_not_searched(tmp_path):
+    texts = [f"item {i}: a thing of the sort" for i in range(40)] + ["lamp: a lamp of brass"]
+    assert {"a", "of", "the", "thing", "sort", "item"} <= set(frequent_words(texts))
+    assert "lamp" not in frequent_words(texts)
+    build_lexical_index(tmp_path / "x.sqlite", texts)
+    index = LexicalIndex(tmp_path / "x.sqlite")
+    lamp, nothing = index.search(["lamp of the sort", "the sort of"], 10)
+    assert lamp.tolist() == [40]  # "of", "the", "sort" dropped: only the lamp matches
+    assert len(nothing) == 0  # nothing but frequent words: no lexical candidates
+    assert match_expression("lamp of brass", {"of"}) == '"lamp" OR "brass"'
