@@ -6,8 +6,9 @@ in one file (checksummed with the bundle) and answers a query in well under a mi
 catalog sizes of 10^5, so no extra engine is needed. Tokens: Unicode-aware words with Porter
 stemming, so "instruments" finds "instrument"; nothing here knows the catalog's text format.
 Words in more than MAX_DF of the catalog's texts ("of", "the" in English glosses) are dropped
-from queries: they rank nothing, and scoring their tens of thousands of matches costs 100×
-a rare word's lookup. The list is the catalog's own, computed when the index is built.
+from a query that has other words: they rank nothing, and scoring their tens of thousands of
+matches costs 100× a rare word's lookup ("head of state": 250 ms). The list is the catalog's
+own, computed when the index is built.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ def build_lexical_index(path: Path, texts: Sequence[str]) -> None:
 
 
 def match_expression(query: str, frequent: Container[str] = ()) -> str | None:
-    """Any of the query's words but the frequent ones (quoted, so no FTS5 syntax leaks in);
-    None when none is left."""
-    kept = [w for w in words(query) if w not in frequent]
+    """Any of the query's words but the frequent ones, unless it has no other (quoted, so no
+    FTS5 syntax leaks in); None when it has no word."""
+    found = words(query)
+    kept = [w for w in found if w not in frequent] or found
     return " OR ".join(f'"{w}"' for w in kept) if kept else None
 
 

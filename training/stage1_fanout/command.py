@@ -6,6 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
+from service.errors import InputError
 from service.fanout.trie import DECODINGS
 from training.commands import given, non_negative, positive, subcommand_group
 from training.stage1_fanout.ablation import ablation_report
@@ -16,6 +17,7 @@ from training.stage1_fanout.grpo import (
     REWARD_MODES,
     GrpoConfig,
     resolve_config,
+    reward_terms_of,
     train_grpo,
 )
 from training.stage1_fanout.warmstart import resolve_config as warm_config
@@ -45,15 +47,27 @@ def cmd_train_folm(args: argparse.Namespace) -> None:
     print(f"stage 1 wall time (this invocation): {time.perf_counter() - started:.0f} s")
 
 
+def reward_mode(value: str) -> str:
+    """argparse type of --reward: a known mode, `ablation` or a loadable `py:` callable."""
+    if value != "ablation":
+        try:
+            reward_terms_of(value)
+        except InputError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    """`r4t train folm [--preset cpu|tiny] [--reward about|all|ground|ground+align|ablation]`."""
+    """`r4t train folm [--preset cpu|tiny] [--reward about|all|ground|ground+align|ablation|
+    py:module:function]`."""
     what = subcommand_group(sub, "train", "train models")
     folm = what.add_parser("folm", help="warm start + GRPO of the fan-out LM")
     folm.add_argument("--preset", default="cpu", choices=sorted(GRPO_PRESETS))
-    folm.add_argument("--reward", default=GrpoConfig.reward,
-                      choices=[*REWARD_MODES, "ablation"],
-                      help="'all' is the paper's composite; 'about' the label-free objective "
-                      "chosen on val (docs/experiments.md)")
+    folm.add_argument("--reward", default=GrpoConfig.reward, type=reward_mode,
+                      help=f"one of {', '.join([*REWARD_MODES, 'ablation'])}, or "
+                      "py:module:function, your f(query, item_texts) -> float. 'all' is the "
+                      "paper's composite; 'about' the label-free objective chosen on val "
+                      "(docs/experiments.md)")
     folm.add_argument("--steps", type=positive, default=None,
                       help="GRPO steps (default: the preset's)")
     folm.add_argument("--ablation-best-of", type=non_negative, default=64,

@@ -18,6 +18,7 @@ final/ (HF checkpoint), curves.json and curves.png.
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from service.fanout.format import ParsedFanout, PromptBuilder, item_names, parse
 from service.fanout.grounding import NameGrounding
 from service.fanout.reward import RewardTerms, RewardWeights, score_probes
 from service.runtime.encoder import Encoder
+from service.runtime.index import search
 from training.commands import given
 
 REWARD_MODES: dict[str, tuple[str, ...]] = {
@@ -43,6 +45,9 @@ REWARD_MODES: dict[str, tuple[str, ...]] = {
     "about": ("about",),
 }
 PAPER_MODES = ("ground", "ground+align", "all")  # `--reward ablation`: which paper terms count
+# `--reward py:module:function`: a user's f(query, item_texts) -> float, the hook the paper's
+# authors propose for production signals (click-through proxies); weight 1, one term "user"
+USER_REWARD = "py:"
 TERM_WEIGHTS = {"ground": 0.6, "diversity": 0.2, "alignment": 0.2, "about": 1.0}
 ABOUT_DEPTH = 100  # an item is about a query when it is among the query's 100 best BM25 matches
 
@@ -110,7 +115,8 @@ class FanoutScorer:
         self._query_cache: dict[str, np.ndarray] = {}
         self._about: dict[str, frozenset[int]] = {}
         self._builders: dict[tuple[int, str], PromptBuilder] = {}
-        self._last: tuple[tuple[str, ...], RewardTerms, list[ParsedFanout]] | None = None
+        self._last: tuple[tuple[str, ...], RewardTerms, list[ParsedFanout], np.ndarray] | None \
+            = None
 
     def query_embeddings(self, queries: list[str]) -> np.ndarray:
         missing = [q for q in dict.fromkeys(queries) if q not in self._query_cache]
@@ -141,25 +147,44 @@ class FanoutScorer:
         key = (*queries, "\x00", *completions)
         if self._last is not None and self._last[0] == key:
             return self._last[1], self._last[2]
+        terms, parsed, _ = self._resolve(key, queries, completions)
+        return terms, parsed
+
+    def item_rows(self, queries: list[str], completions: list[str]) -> list[list[int]]:
+        """Per completion, the catalog rows its scored slots resolve to (nearest item)."""
+        key = (*queries, "\x00", *completions)
+        if self._last is not None and self._last[0] == key:
+            rows, parsed = self._last[3], self._last[2]
+        else:
+            _, parsed, rows = self._resolve(key, queries, completions)
+        return [[int(r) for r, ok in zip(row, p.scored, strict=True) if ok]
+                for row, p in zip(rows, parsed, strict=True)]
+
+    def _resolve(self, key: tuple[str, ...], queries: list[str], completions: list[str],
+                 ) -> tuple[RewardTerms, list[ParsedFanout], np.ndarray]:
         parsed = [parse_fanout(c, self.k) for c in completions]
         query_emb = self.query_embeddings(queries)  # (G, d)
         probes = embed_subqueries(self.encoder, self.grounding, parsed, query_emb)  # (G, k, d)
         valid = np.stack([p.scored for p in parsed])  # (G, k); > k lines scores 0
         terms = score_probes(self.bundle.index, self.bundle.items.embeddings, query_emb, probes,
                              valid, RewardWeights(), self.about_rows(queries))
-        self._last = (key, terms, parsed)
-        return terms, parsed
+        g, k, d = probes.shape
+        rows = search(self.bundle.index, probes.reshape(g * k, d), 1)[1][:, 0].reshape(g, k)
+        self._last = (key, terms, parsed, rows)
+        return terms, parsed, rows
 
 
 def reward_functions(scorer: FanoutScorer, mode: str) -> tuple[list[Callable], list[float]]:
     """TRL reward functions f(prompts, completions, query=..., **kw) -> list[float] + weights."""
+    user = mode.startswith(USER_REWARD)
+    first = "ground" if user else reward_terms_of(mode)[0]  # the term that logs the rest
 
     def make(term: str) -> Callable[..., list[float]]:
         def reward(prompts: list[str], completions: list[str], query: list[str],
                    **kwargs: Any) -> list[float]:
             terms, parsed = scorer.score(list(query), list(completions))
             log = kwargs.get("log_metric")
-            if log is not None and term == REWARD_MODES[mode][0]:  # once per batch
+            if log is not None and term == first:  # once per batch
                 log("distinct_subqueries", float(np.mean([p.scored.sum() for p in parsed])))
                 log("well_formed", float(np.mean([p.well_formed for p in parsed])))
                 log("composite", float(terms.total.mean()))
@@ -170,12 +195,54 @@ def reward_functions(scorer: FanoutScorer, mode: str) -> tuple[list[Callable], l
         reward.__name__ = term
         return reward
 
-    terms = REWARD_MODES[mode]
+    if user:
+        return [user_reward_function(scorer, user_reward(mode), make("ground"))], [1.0]
+    terms = reward_terms_of(mode)
     return [make(t) for t in terms], [TERM_WEIGHTS[t] for t in terms]
 
 
+def user_reward(mode: str) -> Callable[[str, list[str]], float]:
+    """The callable that `py:module:function` names."""
+    module, _, name = mode[len(USER_REWARD):].partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise InputError(f"--reward {mode!r}: cannot load {module}:{name} ({exc})") from exc
+    if not callable(function):
+        raise InputError(f"--reward {mode!r}: {module}:{name} is not callable")
+    return function
+
+
+def user_reward_function(scorer: FanoutScorer, function: Callable[[str, list[str]], float],
+                         logger: Callable[..., list[float]]) -> Callable[..., list[float]]:
+    """TRL reward f(prompts, completions, query=...): the user's score of each completion's
+    items (texts, in slot order); `logger` logs the paper's terms beside it."""
+
+    def user(prompts: list[str], completions: list[str], query: list[str],
+             **kwargs: Any) -> list[float]:
+        logger(prompts, completions, query=query, **kwargs)
+        rows = scorer.item_rows(list(query), list(completions))
+        texts = scorer.bundle.items.texts
+        return [float(function(q, [texts[r] for r in row])) for q, row in zip(query, rows,
+                                                                             strict=True)]
+
+    return user
+
+
+def reward_terms_of(mode: str) -> tuple[str, ...]:
+    """The terms a reward mode trains on."""
+    if mode.startswith(USER_REWARD):
+        user_reward(mode)
+        return ("user",)
+    if mode not in REWARD_MODES:
+        raise InputError(f"unknown reward {mode!r}; use one of {sorted(REWARD_MODES)} or "
+                         f"{USER_REWARD}module:function")
+    return REWARD_MODES[mode]
+
+
 def run_dir_for(bundle_dir: Path, mode: str) -> Path:
-    return bundle_dir / "runs" / f"folm-{mode.replace('+', '-')}"
+    name = mode.replace("+", "-").replace(":", "-").replace(".", "-")
+    return bundle_dir / "runs" / f"folm-{name}"
 
 
 def trl_config(config: GrpoConfig, run_dir: Path, max_new_tokens: int, weights: list[float]):
@@ -223,7 +290,7 @@ def train_grpo(
     record = {"stage": "grpo", "config": asdict(config), "init": str(init), "policy": policy,
               "n_training_queries": len(queries),
               "kl": "k3 estimator of reverse KL (TRL), log-probs under the decoding's mask",
-              "reward_terms": dict(zip(REWARD_MODES[config.reward], weights, strict=True)),
+              "reward_terms": dict(zip(reward_terms_of(config.reward), weights, strict=True)),
               "seed": config.seed, "git_commit": git_commit()}
     (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
     prompts = scorer.prompts(queries, policy)
@@ -238,7 +305,7 @@ def train_grpo(
     trainer.train(resume_from_checkpoint=get_last_checkpoint(str(run_dir)))
     wall = time.perf_counter() - started
     history = trainer.state.log_history
-    write_curves(run_dir, history, REWARD_MODES[config.reward])
+    write_curves(run_dir, history, reward_terms_of(config.reward))
     steps = trainer.state.global_step
     ledger = {"steps": steps, "completions": steps * args.per_device_train_batch_size,
               "wall_s": round(wall, 1)}

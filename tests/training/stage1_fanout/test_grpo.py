@@ -70,6 +70,30 @@ def test_ablation_modes_pick_terms_and_weights(scorer: FanoutScorer) -> None:
     assert [f.__name__ for f in funcs] == ["about"] and weights == [1.0]
 
 
+def tent_share(query: str, items: list[str]) -> float:
+    """A user's reward, as `--reward py:module:function` names it: the share of tent items."""
+    return sum("tent" in text.split(":")[0] for text in items) / 10
+
+
+def test_a_user_reward_callable_scores_the_items_a_fan_out_retrieves(
+    scorer: FanoutScorer,
+) -> None:
+    from service.errors import InputError
+    from training.stage1_fanout.grpo import reward_terms_of, run_dir_for
+
+    mode = f"py:{__name__}:tent_share"
+    funcs, weights = reward_functions(scorer, mode)
+    assert weights == [1.0] and reward_terms_of(mode) == ("user",)
+    tents = format_fanout(["tent", "lantern", "compass", "backpack", "tarp", "violin", "cello",
+                           "trumpet", "flute", "drum"])
+    assert funcs[0]([""], [tents], query=["camping"]) == [0.1]
+    assert funcs[0]([""], [""], query=["camping"]) == [0.0]  # no valid slot, no item
+    assert "/" not in run_dir_for(Path("b"), mode).name
+    for bad in ("py:no_such_module:f", f"py:{__name__}:missing", "bogus"):
+        with pytest.raises(InputError):
+            reward_terms_of(bad)
+
+
 def test_aboutness_is_the_share_of_items_whose_text_the_lexical_index_matches(
     scorer: FanoutScorer,
 ) -> None:
