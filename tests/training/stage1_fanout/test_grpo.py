@@ -124,7 +124,7 @@ def test_one_grpo_step_changes_the_weights(
 
     monkeypatch.setattr(masked, "masked_log_probs", spy)
     before = {k: v.clone() for k, v in load_policy(init)[0].state_dict().items()}
-    config = resolve_config("tiny")
+    config = resolve_config("tiny", reward="all")  # a continuous reward: never a flat group
     assert config.steps == 1 == GRPO_PRESETS["tiny"].steps
     final = train_grpo(bundle, config, init, run_dir=tmp_path / "run")
     after = load_policy(final)[0].state_dict()
@@ -134,12 +134,13 @@ def test_one_grpo_step_changes_the_weights(
     assert len(calls) >= 2, "GRPO scored its completions without the decoding mask"
     assert all(a == b == c for a, b, c in calls)
     record = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert record["config"]["reward"] == "about" and record["ledger"]["steps"] == 1
+    assert record["config"]["reward"] == "all" and record["ledger"]["steps"] == 1
     curves = json.loads((tmp_path / "run" / "curves.json").read_text())
     assert curves["step"] == [1] and curves["ground"][0] is not None
     assert (tmp_path / "run" / "curves.png").stat().st_size > 0
     assert list((tmp_path / "run").glob("checkpoint-1"))
-    train_grpo(bundle, resolve_config("tiny", steps=2), init, run_dir=tmp_path / "run")
+    train_grpo(bundle, resolve_config("tiny", reward="all", steps=2), init,
+               run_dir=tmp_path / "run")
     curves = json.loads((tmp_path / "run" / "curves.json").read_text())
     assert curves["step"] == [1, 2]  # resumed from checkpoint-1, ran only step 2
 
