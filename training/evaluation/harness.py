@@ -31,6 +31,7 @@ from training.evaluation.metrics import (
     precision,
     recall,
     set_vendi,
+    standard_error,
 )
 
 METRICS = (
@@ -188,8 +189,7 @@ def paired_table(bundle_dir: Path, split: str, reference: str = "diffusion") -> 
         for name in PAIRED:
             diff = np.asarray(base[name], dtype=float) - np.asarray(other[name], dtype=float)
             diff = diff[np.isfinite(diff)]
-            se = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else 0.0
-            cells.append(f"{diff.mean():+.3f} ± {se:.3f}")
+            cells.append(f"{diff.mean():+.3f} ± {standard_error(diff):.3f}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

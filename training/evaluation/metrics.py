@@ -44,6 +44,11 @@ def set_vendi(embeddings: np.ndarray) -> float:
     return float(vendi_score(embeddings[None])[0])
 
 
+def standard_error(values: np.ndarray) -> float:
+    """Standard error of the mean of finite `values` (0 for fewer than two)."""
+    return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
 def best_coverage(candidates: set[str], groups: list[list[str]], k: int = SLOTS) -> float:
     """The coverage of the best k picks among `candidates`: greedy maximum coverage (exact
     when no item sits in two groups, as with disjoint branches)."""

@@ -19,7 +19,7 @@ from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.reward import reward_terms
 from service.runtime.encoder import Encoder
 from training.data.splits import BenchmarkQuery
-from training.evaluation.metrics import SLOTS, group_hit_rate
+from training.evaluation.metrics import SLOTS, group_hit_rate, standard_error
 from training.stage1_fanout.grpo import REWARD_MODES, TERM_WEIGHTS, FanoutScorer
 from training.stage1_fanout.policy import POLICY_PRESETS
 
@@ -46,10 +46,6 @@ def greedy_set(mode: str, query: np.ndarray, items: np.ndarray, about: np.ndarra
         scores = objective(mode, query, items[picks], about[picks])  # (G,)
         chosen.append(rest[int(np.argmax(scores))])  # ties: the earlier name
     return chosen
-
-
-def standard_error(values: np.ndarray) -> float:
-    return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
 
 
 def objective_rows(bundle: Bundle, queries: list[BenchmarkQuery]) -> list[dict[str, Any]]:

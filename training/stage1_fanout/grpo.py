@@ -154,9 +154,11 @@ class FanoutScorer:
         """Per completion, the catalog rows its scored slots resolve to (nearest item)."""
         key = (*queries, "\x00", *completions)
         if self._last is not None and self._last[0] == key:
-            rows, parsed = self._last[3], self._last[2]
+            probes, parsed = self._last[3], self._last[2]
         else:
-            _, parsed, rows = self._resolve(key, queries, completions)
+            _, parsed, probes = self._resolve(key, queries, completions)
+        g, k, d = probes.shape  # resolved here only: the built-in rewards never need the rows
+        rows = search(self.bundle.index, probes.reshape(g * k, d), 1)[1][:, 0].reshape(g, k)
         return [[int(r) for r, ok in zip(row, p.scored, strict=True) if ok]
                 for row, p in zip(rows, parsed, strict=True)]
 
@@ -168,10 +170,8 @@ class FanoutScorer:
         valid = np.stack([p.scored for p in parsed])  # (G, k); > k lines scores 0
         terms = score_probes(self.bundle.index, self.bundle.items.embeddings, query_emb, probes,
                              valid, RewardWeights(), self.about_rows(queries))
-        g, k, d = probes.shape
-        rows = search(self.bundle.index, probes.reshape(g * k, d), 1)[1][:, 0].reshape(g, k)
-        self._last = (key, terms, parsed, rows)
-        return terms, parsed, rows
+        self._last = (key, terms, parsed, probes)
+        return terms, parsed, probes
 
 
 def reward_functions(scorer: FanoutScorer, mode: str) -> tuple[list[Callable], list[float]]:
