@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sqlite3
 
 import pytest
 
@@ -12,7 +13,7 @@ from service.artifacts.lexical import (
     LexicalIndex,
     build_lexical_index,
     frequent_words,
-    match_expression,
+    query_words,
 )
 from service.errors import BundleError
 
@@ -38,13 +39,27 @@ def test_a_corrupted_lexical_index_is_refused(small_bundle_dir, tmp_path):
         load_bundle(copy)
 
 
-@pytest.mark.parametrize("query, expression", [
-    ("Musical instrument", '"musical" OR "instrument"'),
-    ('a "b" OR c*', '"a" OR "b" OR "or" OR "c"'),  # no FTS5 syntax gets through
-    ("--- !!", None),
+def test_the_ranking_is_fts5s_own(small_bundle_dir):
+    """bm25s over FTS5's postings returns FTS5's `ORDER BY rank` list, ties by row."""
+    bundle = load_bundle(small_bundle_dir)
+    assert bundle.lexical is not None
+    db = sqlite3.connect(small_bundle_dir / LEXICAL_FILE)
+    queries = [t.split(":")[0] for t in bundle.items.texts[::7]] + ["musical instruments"]
+    for query, rows in zip(queries, bundle.lexical.search(queries, 30), strict=True):
+        expression = " OR ".join(f'"{w}"' for w in query_words(query, bundle.lexical.frequent))
+        expected = [r for (r,) in db.execute("SELECT rowid FROM items WHERE items MATCH ? "
+                                             "ORDER BY rank, rowid LIMIT 30", (expression,))]
+        assert rows.tolist() == expected, query
+    assert sum(len(rows) > 1 for rows in bundle.lexical.search(queries, 30)) > len(queries) / 2
+
+
+@pytest.mark.parametrize("query, kept", [
+    ("Musical instrument", ["musical", "instrument"]),
+    ('a "b" OR c*', ["a", "b", "or", "c"]),  # no FTS5 syntax gets through
+    ("--- !!", []),
 ])
-def test_queries_become_quoted_word_alternatives(query, expression):
-    assert match_expression(query) == expression
+def test_queries_become_their_words(query, kept):
+    assert query_words(query) == kept
 
 
 def test_words_in_most_texts_are_not_searched(tmp_path):
@@ -56,5 +71,5 @@ def test_words_in_most_texts_are_not_searched(tmp_path):
     lamp, sort = index.search(["lamp of the sort", "sort"], 50)
     assert lamp.tolist() == [40]  # "of", "the", "sort" dropped: only the lamp matches
     assert len(sort) == 40  # a query of frequent words only searches them all
-    assert match_expression("lamp of brass", {"of"}) == '"lamp" OR "brass"'
-    assert match_expression("of the", {"of", "the"}) == '"of" OR "the"'
+    assert query_words("lamp of brass", {"of"}) == ["lamp", "brass"]
+    assert query_words("of the", {"of", "the"}) == ["of", "the"]
