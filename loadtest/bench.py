@@ -34,6 +34,7 @@ from service.settings import Settings
 
 BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 REPEATS = 3  # per batch size and path; the fastest run is reported
+PAIRS = 7  # alternating runs of this bundle's diffusion path and the baseline's, per batch size
 PAPER_SECONDS = {8: (1.456, 0.090), 16: (1.518, 0.098), 32: (1.652, 0.157), 64: (1.852, 0.230),
                  128: (5.632, 0.527), 256: (11.448, 1.091), 512: (24.531, 2.141),
                  1024: (49.766, 3.930)}
@@ -79,17 +80,33 @@ def timed_batch(path: Any, queries: list[str], k: int) -> dict[str, float]:
     return clock
 
 
+def paired_ratio(a: Any, b: Any, queries: list[str], k: int, pairs: int = PAIRS) -> float:
+    """Median over alternating runs of a's time / b's: holds while the machine's speed drifts."""
+    ratios = [compute_s(timed_batch(a, queries, k)) / compute_s(timed_batch(b, queries, k))
+              for _ in range(pairs)]
+    return float(np.median(ratios))
+
+
 def compute_s(clock: dict[str, float]) -> float:
     return sum(v for key, v in clock.items() if key != "tokens")
 
 
-def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path) -> dict:
+def diffusion_path(bundle_dir: Path, threads: int, encoder: Encoder | None = None
+                   ) -> DiffusionPath:
     bundle = load_bundle(bundle_dir)
-    encoder = Encoder(bundle.encoder_config)
     sampler = DiffusionSampler(bundle_dir / "diffusion", threads=threads)
-    paths = {"diffusion": DiffusionPath(bundle, encoder, sampler, seed=0),
+    return DiffusionPath(bundle, encoder or Encoder(bundle.encoder_config), sampler, seed=0)
+
+
+def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
+        baseline: Path | None = None) -> dict:
+    diffusion = diffusion_path(bundle_dir, threads)
+    bundle, encoder, sampler = diffusion.bundle, diffusion.encoder, diffusion.sampler
+    paths = {"diffusion": diffusion,
              "ar": ar_path(Settings(bundle=bundle_dir, threads=threads, seed=0), bundle, encoder),
              "single": SinglePath(bundle, encoder)}
+    if baseline is not None:  # another bundle's diffusion path, measured in the same loop
+        paths["baseline"] = diffusion_path(baseline, threads, encoder)
     k = int(sampler.config.get("k", 10))
     texts = [json.loads(line)["query"] for line in
              (bundle_dir / "benchmark" / "test.jsonl").read_text().splitlines()]
@@ -102,6 +119,9 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path)
         clocks = {name: best_of(REPEATS, timed_batch, path, queries, k)
                   for name, path in paths.items()}
         rows.append(_row(b, clocks, sampler.config, peak))
+        if "baseline" in paths:
+            rows[-1]["paired_vs_baseline"] = paired_ratio(paths["diffusion"], paths["baseline"],
+                                                          queries, k)
     decoder = paths["ar"].backend.decoder  # type: ignore[union-attr]
     report = {"machine": machine(), "matmul_peak_gflops": peak, "threads": threads,
               "providers": {name: path.providers for name, path in paths.items()},
@@ -112,6 +132,8 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path)
                        "max_new_tokens": paths["ar"].backend.max_new_tokens,  # type: ignore
                        "decoding": paths["ar"].backend.decoding,  # type: ignore[union-attr]
                        "temperature": paths["ar"].backend.temperature},  # type: ignore
+              "baseline": None if baseline is None else {
+                  "bundle": str(baseline), "sampler": paths["baseline"].sampler.config},
               "rows": rows}
     write_outputs(report, out_dir)
     return report
@@ -120,6 +142,9 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path)
 def _row(b: int, clocks: dict[str, dict[str, float]], config: dict, peak: float) -> dict:
     d, a, single = clocks["diffusion"], clocks["ar"], clocks["single"]
     d_total, a_total, s_total = compute_s(d), compute_s(a), compute_s(single)
+    baseline = {} if "baseline" not in clocks else {
+        "baseline_s": compute_s(clocks["baseline"]), "baseline_stages_s": clocks["baseline"],
+        "diffusion_vs_baseline": d_total / compute_s(clocks["baseline"])}
     flops = float(config.get("flops_per_query") or 0.0)
     solver = d.get("solver", 0.0)
     achieved = flops * b / solver / 1e9 if solver > 0 else 0.0
@@ -133,6 +158,7 @@ def _row(b: int, clocks: dict[str, dict[str, float]], config: dict, peak: float)
         "solver_gflops": achieved, "solver_share_of_peak": achieved / peak if peak else None,
         "paper_ar_s": PAPER_SECONDS.get(b, (None, None))[0],
         "paper_diffusion_s": PAPER_SECONDS.get(b, (None, None))[1],
+        **baseline,
     }
 
 
@@ -167,7 +193,28 @@ def markdown(report: dict) -> str:
             f"{d['solver']:.3f} | {d['search']:.3f} | {r['ar_tokens_per_query']:.0f} | "
             f"{r['solver_gflops']:.1f} ({100 * (r['solver_share_of_peak'] or 0):.0f}%) | "
             f"{r['paper_ar_s']} / {r['paper_diffusion_s']} |")
+    if report.get("baseline"):
+        lines += baseline_table(report)
     return "\n".join(lines) + "\n"
+
+
+def baseline_table(report: dict) -> list[str]:
+    """This bundle's diffusion path beside the baseline bundle's, per stage, same run."""
+    lines = ["", f"## Against the baseline bundle `{report['baseline']['bundle']}`", "",
+             f"Paired: the median over {PAIRS} alternating runs of the two paths' time ratio, "
+             "which holds while the machine's speed drifts; the other columns are each path's "
+             "fastest run.", "",
+             "| batch | diffusion (s) | baseline (s) | diffusion / baseline (paired) | "
+             "diffusion / baseline (fastest) | search (s) | baseline search (s) | solver (s) | "
+             "baseline solver (s) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        d, base = r["diffusion_stages_s"], r["baseline_stages_s"]
+        lines.append(f"| {r['batch']} | {r['diffusion_s']:.3f} | {r['baseline_s']:.3f} | "
+                     f"{r['paired_vs_baseline']:.2f}x | "
+                     f"{r['diffusion_vs_baseline']:.2f}x | {d['search']:.3f} | "
+                     f"{base['search']:.3f} | {d['solver']:.3f} | {base['solver']:.3f} |")
+    return lines
 
 
 def plot(report: dict, path: Path) -> None:
@@ -205,9 +252,11 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0 = all)")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
+    parser.add_argument("--baseline", type=Path,
+                        help="another bundle whose diffusion path is measured beside this one's")
     args = parser.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
-    report = run(args.bundle, batches, args.threads, args.out)
+    report = run(args.bundle, batches, args.threads, args.out, args.baseline)
     print(markdown(report))
 
 
