@@ -43,6 +43,22 @@ def cmd_bundle(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    from training.evaluation.report import write_html_report
+
+    if args.ceilings:
+        from training.evaluation.ceilings import run_ceilings
+
+        run_ceilings(args.bundle, args.split)
+    elif args.steps_curve:
+        from training.evaluation.steps_curve import run_steps_curve
+
+        run_steps_curve(args.bundle, args.split, args.k, args.limit, args.seeds)
+    else:
+        evaluate_methods(args)
+    print(f"wrote {write_html_report(args.bundle)}")
+
+
+def evaluate_methods(args: argparse.Namespace) -> None:
     from service.artifacts.bundle import load_bundle
     from service.runtime.encoder import Encoder
     from training.evaluation.baselines import BASELINES
@@ -55,16 +71,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
         write_report,
     )
 
-    if args.ceilings:
-        from training.evaluation.ceilings import run_ceilings
-
-        run_ceilings(args.bundle, args.split)
-        return
-    if args.steps_curve:
-        from training.evaluation.steps_curve import run_steps_curve
-
-        run_steps_curve(args.bundle, args.split, args.k, args.limit, args.seeds)
-        return
     bundle = load_bundle(args.bundle)
     encoder = Encoder(bundle.encoder_config)
     names = sorted(METHODS) if args.method == "all" else args.method.split(",")

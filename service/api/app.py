@@ -31,6 +31,7 @@ from service.api.middleware import (
     RequestContext,
     current_request_id,
 )
+from service.api.playground import install_playground
 from service.api.schemas import (
     BatchRequest,
     BatchResponse,
@@ -357,6 +358,7 @@ def install_routes(app: FastAPI, state: ServiceState) -> None:
 
     install_retrieval(app, state)
     install_admin(app, state)
+    install_playground(app)
 
 
 def install_retrieval(app: FastAPI, state: ServiceState) -> None:

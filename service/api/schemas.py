@@ -107,6 +107,9 @@ class RetrieveResponse(BaseModel):
     bundle: str = Field(description="Name of the bundle that answered.")
     groundedness: float = Field(description="Mean cos of the probes to their nearest items.")
     notes: list[str] = Field(default_factory=list, description="Anything worth knowing.")
+    subqueries: list[str] = Field(
+        default_factory=list, description="AR: the fan-out's usable sub-queries; item slot i "
+        "was found by subqueries[i]. Empty for the other routes.")
     timings_ms: dict[str, float] = Field(description="Milliseconds per stage, and total.")
 
 

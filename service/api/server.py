@@ -64,6 +64,7 @@ def log_config(level: str) -> dict[str, Any]:
         "root": {"handlers": ["json"], "level": "WARNING"},
         "loggers": {
             "httpx": {"level": "WARNING"},
+            "bm25s": {"level": "WARNING"},  # it logs each index build at DEBUG
             "r4t": {"handlers": ["json"], "level": level, "propagate": False},
             "uvicorn": {"handlers": ["json"], "level": level, "propagate": False},
             "uvicorn.error": {"level": level},

@@ -316,5 +316,6 @@ class Retriever:
             bundle=self.bundle.name,
             groundedness=round(answer.groundedness, 6),
             notes=answer.notes,
+            subqueries=answer.subqueries,
             timings_ms={stage: round(s * 1000.0, 3) for stage, s in timings.items()},
         )

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.service.conftest import wait_ready
+from tests.service.conftest import free_port, serve_process
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROMETHEUS = shutil.which("prometheus")
@@ -22,12 +19,6 @@ needs_prometheus = pytest.mark.skipif(
     PROMETHEUS is None or PROMTOOL is None,
     reason="Debian's prometheus package is not installed (.ci/run installs it)",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @needs_prometheus
@@ -44,21 +35,9 @@ def test_alert_rules_are_valid_and_their_unit_tests_pass():
 @pytest.fixture
 def live_r4t(serving_bundle, completion_server, tmp_path):
     """`r4t serve` as a subprocess; the quality gate is set so every diffusion answer falls back."""
-    port = free_port()
-    env = {**os.environ, "R4T_BUNDLE": str(serving_bundle), "R4T_PORT": str(port),
-           "R4T_HOST": "127.0.0.1", "R4T_OPENAI_BASE_URL": completion_server.url,
-           "R4T_GROUNDEDNESS_THRESHOLD": "0.999", "R4T_THREADS": "1"}
-    log = (tmp_path / "r4t.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "training.cli", "serve"], env=env,
-                               stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, timeout_s=120)
-        yield url, port
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
+    with serve_process(serving_bundle, completion_server, tmp_path / "r4t.log",
+                       R4T_GROUNDEDNESS_THRESHOLD="0.999") as live:
+        yield live
 
 
 @pytest.fixture

@@ -12,8 +12,11 @@ graph instead (`sampler_graph`).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -357,6 +360,33 @@ def live_server(settings: Settings, ready: bool = True) -> Iterator[LiveServer]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serve_process(bundle: Path, completion: CompletionServer, log: Path,
+                  **env: str) -> Iterator[tuple[str, int]]:
+    """`r4t serve` of `bundle` as a subprocess on loopback (R4T_* overrides in `env`), ready;
+    yields (url, port) and stops it (SIGTERM) afterwards."""
+    port = free_port()
+    environment = {**os.environ, "R4T_BUNDLE": str(bundle), "R4T_PORT": str(port),
+                   "R4T_HOST": "127.0.0.1", "R4T_OPENAI_BASE_URL": completion.url,
+                   "R4T_THREADS": "1", **env}
+    with log.open("w") as handle:
+        process = subprocess.Popen([sys.executable, "-m", "training.cli", "serve"],
+                                   env=environment, stdout=handle, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url, timeout_s=120)
+            yield url, port
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
 
 
 def make_settings(bundle: Path, completion: CompletionServer | None, **overrides: Any

@@ -64,6 +64,7 @@ def query_metrics(query: BenchmarkQuery, out: MethodOutput, i: int, bundle: Bund
         "union_pool_size": float(len(union)),
         "recall@5k": recall(pool, reference),
         "hit@5k": group_hit_rate(pool, query.groups),
+        "items": returned,
         "precision@10": precision(returned, reference),
         "coverage@10": group_hit_rate(set(returned), query.groups),
         "vendi@10": set_vendi(bundle.items.embeddings[out.items[i]]),
@@ -109,6 +110,7 @@ def evaluate(
                                for name in PER_SEED}
     diagnostics["per_query"] = {name: [_mean([seed_rows[i][name] for seed_rows in runs])
                                        for i in range(len(queries))] for name in PAIRED}
+    diagnostics["items"] = [row["items"] for row in runs[0]]  # the first seed's, per query
     return {"method": method, "split": split, "n_queries": len(queries), "k": k,
             "metrics": metrics, "diagnostics": diagnostics}
 
