@@ -37,11 +37,13 @@ eval: bundle
 serve: install
 	$(R4T) --bundle $(BUNDLE) serve --build
 
-# The honest speed benchmark (run alone): both paths, batch 8..1024, per stage.
+# The honest speed benchmark (run alone): every route, batch 8..1024, per stage;
+# BASELINE=<bundle> times that bundle's diffusion path in the same run.
 bench: bundle
-	$(PY) -m loadtest.bench --bundle $(BUNDLE) --out loadtest/results
+	$(PY) -m loadtest.bench --bundle $(BUNDLE) --out loadtest/results \
+	  $(if $(BASELINE),--baseline $(BASELINE))
 
-# Headless Locust against a loopback server: diffusion, AR, A/B mix.
+# Headless Locust against a loopback server: single (the ceiling), diffusion, AR, A/B mix.
 loadtest: bundle
 	$(PY) -m loadtest.run --bundle $(BUNDLE) --out loadtest/results
 

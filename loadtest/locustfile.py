@@ -1,6 +1,7 @@
-"""Locust scenarios against a running r4t service: diffusion only, AR only, and the A/B mix.
+"""Locust scenarios against a running r4t service: one route only (single, diffusion, AR), or
+the A/B mix.
 
-Select with R4T_LOAD_SCENARIO=diffusion|ar|mix; R4T_LOAD_RATE is each user's requests/s
+Select with R4T_LOAD_SCENARIO=single|diffusion|ar|mix; R4T_LOAD_RATE is each user's requests/s
 (constant throughput, so users × rate is the offered load). Loopback targets only.
 """
 
@@ -27,7 +28,7 @@ class RetrievalUser(HttpUser):
     def retrieve(self) -> None:
         body: dict[str, object] = {"query": random.choice(QUERIES), "k": 10,
                                    "user_id": f"user-{random.randrange(10_000)}"}
-        if SCENARIO in ("diffusion", "ar"):
+        if SCENARIO in ("single", "diffusion", "ar"):
             body["route"] = SCENARIO
         with self.client.post("/v1/retrieve", json=body, name="/v1/retrieve",
                               catch_response=True) as response:

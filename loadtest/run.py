@@ -20,9 +20,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-SCENARIOS = ("diffusion", "ar", "mix")
+SCENARIOS = ("single", "diffusion", "ar", "mix")
 # The rates measured sustainable on 2 cores (server and Locust sharing them); see README.
-DEFAULT_SCENARIOS = "diffusion@200,ar@60,mix@200"
+# `single` (one dense query) comes first: the ceiling every other scenario is a ratio to.
+DEFAULT_SCENARIOS = "single@400,diffusion@200,ar@60,mix@200"
 HOST = "127.0.0.1"
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -112,10 +113,12 @@ def _latency(row: dict[str, str]) -> dict[str, float]:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| scenario | offered req/s | requests | throughput req/s | failures by status | "
-             "mean batch | route | p50 ms | p95 ms | p99 ms |",
-             "|---|---:|---:|---:|---|---|---|---:|---:|---:|"]
+    floor = next((r["throughput_rps"] for r in results if r["scenario"] == "single"), None)
+    lines = ["| scenario | offered req/s | requests | throughput req/s | / single | "
+             "failures by status | mean batch | route | p50 ms | p95 ms | p99 ms |",
+             "|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|"]
     for r in results:
+        ratio = f"{r['throughput_rps'] / floor:.2f}" if floor else "–"
         fails = ", ".join(f"{s}: {n}" for s, n in sorted(r["failures_by_status"].items())) or "0"
         answered = sorted(r["latency_ms_by_route"].items())
         refused = [(f"refused {status}", lat) for status, lat in
@@ -123,7 +126,7 @@ def markdown(results: list[dict]) -> str:
         batches = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(r["mean_batch_size"].items()))
         for route, lat in answered + refused:
             lines.append(f"| {r['scenario']} | {r['offered_rps']:.0f} | {r['requests']} | "
-                         f"{r['throughput_rps']:.1f} | {fails} | {batches} | {route} | "
+                         f"{r['throughput_rps']:.1f} | {ratio} | {fails} | {batches} | {route} | "
                          f"{lat['50']:.0f} | "
                          f"{lat['95']:.0f} | {lat['99']:.0f} |")
     return "\n".join(lines) + "\n"
@@ -161,7 +164,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=200.0, help="offered requests/s in total")
     parser.add_argument("--seconds", type=int, default=30, help="per scenario")
     parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS,
-                        help="comma list of diffusion|ar|mix, each optionally @<req/s>[:<users>]")
+                        help=f"comma list of {'|'.join(SCENARIOS)}, each optionally "
+                        "@<req/s>[:<users>]")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

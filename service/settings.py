@@ -72,8 +72,11 @@ class Settings(BaseSettings):
         description="Most queries in one /v1/retrieve:batch call.",
     )
     # --- dynamic batching
-    max_batch_size: int = Field(32, ge=1, description="A batch closes at this many requests...")
-    max_wait_ms: float = Field(5.0, ge=0, description="...or this long after its first request.")
+    max_batch_size: int = Field(32, ge=1, description="Most requests in one batch.")
+    max_wait_ms: float = Field(
+        0.0, ge=0, description="How long a batch that is not full may wait for more requests "
+        "after its first; 0: run what is queued as soon as the worker is free.",
+    )
     queue_size: int = Field(256, ge=1, description="Bounded queue per path; full → 429.")
     request_timeout_ms: float = Field(
         5000.0, gt=0, description="Deadline of a request from arrival; past it → 504."

@@ -1,6 +1,9 @@
 """Dynamic batching: one batcher per retrieval path, owning a bounded asyncio queue.
 
-A batch closes at `max_batch_size` requests or `max_wait_ms` after its first request. Each
+A batch is what is queued when the worker frees, up to `max_batch_size` requests: under load
+requests queue while the worker computes, so batches grow with the load and a lone request
+never waits for company (as in TEI's continuous batching). With `max_wait_ms` > 0, a batch
+that is not full also waits that long after its first request for more. Each
 request awaits its own future; requests whose caller went away (future cancelled) or whose
 deadline passed are dropped before compute. The compute function runs in the batcher's own
 worker thread, off the event loop, one batch at a time.

@@ -25,6 +25,7 @@ from training.evaluation.steps_curve import CURVE_DIR
 REPORT_FILE = "report.html"
 SPLITS = ("test", "val")
 EXAMPLES = 4  # queries shown per split
+EXAMPLE_METHODS = ("single", "mmr", "hybrid-names", "folm", "diffusion")  # the README's rows
 STYLE = """body{font:15px/1.45 system-ui,sans-serif;max-width:1100px;margin:2rem auto;
 color:#1d232b;padding:0 1rem}figure{margin:1.5rem 0}figcaption{color:#445;max-width:900px}
 img{max-width:100%}table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0 1.5rem}
@@ -135,34 +136,50 @@ def steps_figure(bundle_dir: Path) -> str | None:
     return png(fig)
 
 
+def example_queries(coverage: dict[str, np.ndarray], n: int) -> list[int]:
+    """The queries that tell the served student from one dense query most: half where
+    diffusion beats single by the most, half where it loses by the most. Without both, the
+    queries whose coverage spreads most across the methods."""
+    if "diffusion" in coverage and "single" in coverage:
+        gain = np.nan_to_num(coverage["diffusion"] - coverage["single"])  # (Q,)
+        order = np.argsort(-gain, kind="stable")
+        wins = [int(i) for i in order[: (n + 1) // 2] if gain[i] > 0]
+        losses = [int(i) for i in order[::-1][: n // 2] if gain[i] < 0]
+        return wins + losses
+    table = np.array(list(coverage.values()))  # (M, Q)
+    spread = np.nan_to_num(np.nanmax(table, axis=0) - np.nanmin(table, axis=0))
+    return [int(i) for i in np.argsort(-spread, kind="stable")[:n]]
+
+
 def examples(bundle_dir: Path, split: str, by_method: dict[str, dict[str, Any]],
              items: ItemStore, n: int = EXAMPLES) -> str:
-    """HTML tables for the n queries whose coverage@10 differs most across methods: the
-    query's branches, and per method the items it returned, each marked with its branch."""
-    kept = {m: r for m, r in by_method.items() if r["diagnostics"].get("items")}
+    """HTML tables for the example queries: the query's branches, and per method the items
+    it returned, each marked with its branch."""
+    kept = {m: by_method[m] for m in EXAMPLE_METHODS
+            if m in by_method and by_method[m]["diagnostics"].get("items")}
     if len(kept) < 2:
         return "<p>Per-query examples appear once two methods are evaluated by this version.</p>"
     queries = load_split(bundle_dir, split)
-    coverage = np.array([[c if c is not None else np.nan for c in
-                          r["diagnostics"]["per_query"]["coverage@10"]] for r in kept.values()])
-    spread = np.nanmax(coverage, axis=0) - np.nanmin(coverage, axis=0)  # (Q,)
+    coverage = {m: np.array([c if c is not None else np.nan for c in
+                             r["diagnostics"]["per_query"]["coverage@10"]])
+                for m, r in kept.items()}
     out = []
-    for i in np.argsort(-np.nan_to_num(spread))[:n]:
-        query = queries[int(i)]
+    for i in example_queries(coverage, n):
+        query = queries[i]
         branch_of = {item: b for b, group in enumerate(query.groups) for item in group}
         heads = ", ".join(f"{b}: {html.escape(name_of(items, g[0]))}"
                           for b, g in enumerate(query.groups))
         rows = []
-        for j, (method, report) in enumerate(kept.items()):
+        for method, report in kept.items():
             cells = []
-            for item in report["diagnostics"]["items"][int(i)]:
+            for item in report["diagnostics"]["items"][i]:
                 branch = branch_of.get(item)
                 tag = "miss" if branch is None else "hit"
                 label = "–" if branch is None else str(branch)
                 cells.append(f'<span class="{tag}">{html.escape(name_of(items, item))} '
                              f"[{label}]</span>")
-            rows.append(f"<tr><th>{html.escape(method)}<br>coverage {coverage[j, i]:.2f}</th>"
-                        f"<td>{'; '.join(cells)}</td></tr>")
+            rows.append(f"<tr><th>{html.escape(method)}<br>coverage "
+                        f"{coverage[method][i]:.2f}</th><td>{'; '.join(cells)}</td></tr>")
         out.append(f"<h3>“{html.escape(query.query)}” — {len(query.groups)} branches</h3>"
                    f"<p class='miss'>branches: {heads}</p><table>{''.join(rows)}</table>")
     return "\n".join(out)
@@ -208,8 +225,10 @@ def write_html_report(bundle_dir: Path) -> Path:
                "No steps curve yet: run <code>r4t eval --steps-curve</code>."),
     ]
     for split, by_method in reports.items():
-        sections.append(f"<h2>Where the methods differ most ({html.escape(split)})</h2>"
-                        "<p>Each item is tagged with the branch it belongs to "
+        sections.append(f"<h2>Example queries ({html.escape(split)})</h2>"
+                        "<p>Where the served student (diffusion) gains most over one dense "
+                        "query, then where it loses most; without both, where the methods "
+                        "spread most. Each item is tagged with the branch it belongs to "
                         "(<span class='hit'>[n]</span>) or none (<span class='miss'>[–]</span>)."
                         "</p>")
         sections.append(examples(bundle_dir, split, by_method, items))

@@ -111,6 +111,26 @@ def test_a_lone_request_is_served_after_max_wait():
     assert answer.queue_s >= 0.019  # a lower bound: the batch waited out its window
 
 
+def test_without_a_wait_the_batch_is_what_queued_while_the_worker_computed():
+    recorder = Recorder(gated=True)
+
+    async def scenario():
+        batcher = make(recorder, max_batch_size=8, max_wait_ms=0.0)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit(0, far()))
+        await wait_for(recorder.entered)  # the lone first request went at once, alone
+        rest = [asyncio.ensure_future(batcher.submit(i, far())) for i in range(1, 6)]
+        await wait_until(lambda: batcher.depth == 5)
+        recorder.release.set()
+        done = await asyncio.gather(first, *rest)
+        await batcher.close()
+        return done
+
+    done = run(scenario())
+    assert recorder.batches == [[0], [1, 2, 3, 4, 5]]  # the queue, taken whole when it freed
+    assert [c.batch_size for c in done] == [1] + [5] * 5
+
+
 def test_full_queue_raises_overload_immediately():
     recorder = Recorder(gated=True)
 

@@ -14,7 +14,7 @@ from service.artifacts.bundle import load_bundle
 from service.fanout.format import item_name
 from training.data.splits import load_split
 from training.evaluation.harness import evaluate, write_report
-from training.evaluation.report import EXAMPLES, write_html_report
+from training.evaluation.report import EXAMPLES, example_queries, write_html_report
 
 
 def test_the_report_draws_the_figures_and_the_queries_where_methods_differ(
@@ -42,3 +42,11 @@ def test_the_report_draws_the_figures_and_the_queries_where_methods_differ(
             assert html.escape(item_name(bundle.items.texts[bundle.items.row(item)])) in page
     assert page.count("<h3>") == min(EXAMPLES, len(queries))
     assert json.loads((bundle_dir / "eval" / "diagnostics" / "mmr-val.json").read_text())["items"]
+
+
+def test_examples_are_the_students_biggest_wins_then_losses():
+    coverage = {"single": np.array([0.5, 0.5, 0.5, 0.5, 0.5]),
+                "diffusion": np.array([0.6, 0.2, 1.0, 0.5, 0.4]),
+                "mmr": np.array([0.0, 1.0, 0.0, 1.0, 0.0])}
+    assert example_queries(coverage, 4) == [2, 0, 1, 4]  # +0.5, +0.1, then −0.3, −0.1
+    assert example_queries({"single": coverage["single"], "mmr": coverage["mmr"]}, 2) == [0, 1]
