@@ -228,7 +228,8 @@ def write_html_report(bundle_dir: Path) -> Path:
         sections.append(f"<h2>Example queries ({html.escape(split)})</h2>"
                         "<p>Where the served student (diffusion) gains most over one dense "
                         "query, then where it loses most; without both, where the methods "
-                        "spread most. Each item is tagged with the branch it belongs to "
+                        "spread most. Coverage is the mean over seeds; the items shown are the "
+                        "first seed's. Each item is tagged with the branch it belongs to "
                         "(<span class='hit'>[n]</span>) or none (<span class='miss'>[–]</span>)."
                         "</p>")
         sections.append(examples(bundle_dir, split, by_method, items))

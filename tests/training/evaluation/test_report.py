@@ -15,6 +15,7 @@ from service.fanout.format import item_name
 from training.data.splits import load_split
 from training.evaluation.harness import evaluate, write_report
 from training.evaluation.report import EXAMPLES, example_queries, write_html_report
+from training.evaluation.steps_curve import write_steps_curve
 
 
 def test_the_report_draws_the_figures_and_the_queries_where_methods_differ(
@@ -42,6 +43,13 @@ def test_the_report_draws_the_figures_and_the_queries_where_methods_differ(
             assert html.escape(item_name(bundle.items.texts[bundle.items.row(item)])) in page
     assert page.count("<h3>") == min(EXAMPLES, len(queries))
     assert json.loads((bundle_dir / "eval" / "diagnostics" / "mmr-val.json").read_text())["items"]
+
+    points = [{"solver": "euler", "steps": s, "coverage@10": 0.1 + 0.01 * s,
+               "solver_ms_per_query": 0.2 * s} for s in (4, 8, 16)]
+    write_steps_curve(bundle_dir, {"split": "val", "n_queries": len(queries), "k": 10,
+                                   "seeds": 1, "points": points})
+    page = write_html_report(bundle_dir).read_text()
+    assert page.count("data:image/png;base64,") == 3 and "r4t eval --steps-curve" not in page
 
 
 def test_examples_are_the_students_biggest_wins_then_losses():
