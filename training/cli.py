@@ -53,6 +53,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
         from training.evaluation.steps_curve import run_steps_curve
 
         run_steps_curve(args.bundle, args.split, args.k, args.limit, args.seeds)
+    elif args.index_curve:
+        from training.evaluation.index_curve import run_index_curve
+
+        run_index_curve(args.bundle, args.split, args.k, args.seeds)
     else:
         evaluate_methods(args)
     print(f"wrote {write_html_report(args.bundle)}")
@@ -126,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--ceilings", action="store_true",
                     help="label ceilings of the candidate sources (dense, lexical, hybrid) "
                          "instead")
+    ev.add_argument("--index-curve", action="store_true",
+                    help="single and diffusion quality and search ms under each R4T_INDEX "
+                         "choice (exact, HNSW at three efSearch) instead")
     ev.set_defaults(func=cmd_eval)
 
     table = sub.add_parser("table", help="print the bundle's evaluation table")

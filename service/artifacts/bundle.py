@@ -32,7 +32,7 @@ from service.artifacts.items import ItemStore
 from service.artifacts.lexical import LEXICAL_FILE, LexicalIndex
 from service.errors import BundleError
 from service.runtime.encoder import EncoderConfig
-from service.runtime.index import load_index
+from service.runtime.index import IndexChoice, chosen_index, load_index
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -308,8 +308,9 @@ class Bundle:
         return name in self.manifest.get("files", {})
 
 
-def load_bundle(bundle_dir: Path) -> Bundle:
-    """Verify checksums, then load the item store and the index."""
+def load_bundle(bundle_dir: Path, index_choice: IndexChoice | None = None) -> Bundle:
+    """Verify checksums, then load the item store and the index (the bundle's own, or the one
+    `index_choice` builds over its embeddings)."""
     bundle_dir = Path(bundle_dir)
     manifest = verify_bundle(bundle_dir)
     for needed in (INDEX_FILE, "items.jsonl", "embeddings.npy"):
@@ -322,6 +323,8 @@ def load_bundle(bundle_dir: Path) -> Bundle:
             f"bundle {bundle_dir}: index holds {index.ntotal}x{index.d}, "
             f"items {items.embeddings.shape}"
         )
+    if index_choice is not None:
+        index = chosen_index(index, items.embeddings, index_choice)
     lexical = LexicalIndex(bundle_dir / LEXICAL_FILE) if LEXICAL_FILE in manifest["files"] \
         else None
     return Bundle(path=bundle_dir, manifest=manifest, items=items, index=index, lexical=lexical)

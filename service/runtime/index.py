@@ -6,10 +6,13 @@ catalogs; vectors are unit-norm, so inner product is cosine similarity.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import faiss
 import numpy as np
+
+from service.errors import BundleError
 
 EXACT = "Flat"
 # Exact search switches to its BLAS (sgemm) kernel only past this many probes in one call; the
@@ -33,6 +36,38 @@ def build_index(embeddings: np.ndarray, factory: str | None = None) -> faiss.Ind
     if not index.is_trained:
         index.train(vectors)
     index.add(vectors)
+    return index
+
+
+@dataclass(frozen=True)
+class IndexChoice:
+    """The index every path searches: the bundle's own (`factory` empty: exact, as built), or
+    one FAISS's index_factory builds at load over the bundle's embeddings (e.g. "HNSW32"),
+    so an approximate index is chosen at serving time without rebuilding the bundle;
+    `params` are its search-time parameters (a ParameterSpace string, e.g. "efSearch=128")."""
+
+    factory: str = ""
+    params: str = ""
+
+    @property
+    def name(self) -> str:
+        return "/".join(p for p in (self.factory or "bundle", self.params) if p)
+
+    @classmethod
+    def parse(cls, name: str) -> IndexChoice:
+        """The inverse of `name`: "bundle", "HNSW32", "HNSW32/efSearch=128"."""
+        factory, _, params = name.partition("/")
+        return cls("" if factory == "bundle" else factory, params)
+
+
+def chosen_index(own: faiss.Index, embeddings: np.ndarray, choice: IndexChoice) -> faiss.Index:
+    """`own` (the bundle's index) or the index `choice` builds over the same rows."""
+    try:
+        index = build_index(embeddings, choice.factory) if choice.factory else own
+        if choice.params:
+            faiss.ParameterSpace().set_index_parameters(index, choice.params)
+    except RuntimeError as exc:  # FAISS's own message names what it could not parse
+        raise BundleError(f"index {choice.name!r}: {str(exc).strip().splitlines()[-1]}") from exc
     return index
 
 

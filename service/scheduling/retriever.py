@@ -33,7 +33,7 @@ from service.paths.autoregressive import AutoregressivePath, FanoutBackend, Onnx
 from service.paths.diffusion import DiffusionPath, Sampler
 from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
-from service.runtime.index import set_threads
+from service.runtime.index import IndexChoice, set_threads
 from service.runtime.openai_backend import OpenAICompletionBackend, OpenAIConfig
 from service.scheduling.batching import Batcher, Completed, describe
 from service.scheduling.routing import ROUTE_ORDER, Router
@@ -153,7 +153,7 @@ class Retriever:
     ) -> Retriever:
         """Verify and load a bundle and its runtimes (blocking: call it off the event loop)."""
         set_threads(settings.faiss_threads)
-        bundle = load_bundle(bundle_dir)
+        bundle = load_bundle(bundle_dir, IndexChoice.parse(settings.index))
         encoder = Encoder(bundle.encoder_config)
         paths, problems = load_paths(settings, bundle, encoder, loaders)
         if not paths:

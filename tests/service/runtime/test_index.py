@@ -74,3 +74,37 @@ def test_the_diffusion_context_follows_the_source_its_sampler_records(small_bund
     assert not (skipped[0] == bundle.items.embeddings[top]).all(axis=1).any()
     with pytest.raises(BundleError, match="context source"):
         DiffusionContext(bundle, {"context": 4, "context_source": "random"})
+
+
+def test_an_index_chosen_at_load_searches_the_bundles_rows(small_bundle_dir):
+    from service.artifacts.bundle import load_bundle
+    from service.runtime.index import IndexChoice, search
+
+    exact = load_bundle(small_bundle_dir)
+    chosen = load_bundle(small_bundle_dir, IndexChoice.parse("HNSW16/efSearch=256"))
+    assert type(exact.index).__name__ == "IndexFlatIP"
+    assert type(chosen.index).__name__ == "IndexHNSWFlat" and chosen.index.hnsw.efSearch == 256
+    queries = exact.items.embeddings[::50]  # (Q, d)
+    _, want = search(exact.index, queries, 10)
+    _, got = search(chosen.index, queries, 10)
+    overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(want, got, strict=True)])
+    assert overlap > 0.95  # approximate, but on the same rows: row i is item ids[i]
+
+
+@pytest.mark.parametrize("name, problem", [("Nonsense12", "could not parse"),
+                                           ("HNSW16/bogus=3", "could not set parameter bogus")])
+def test_a_bad_index_choice_is_refused_with_faisss_reason(small_bundle_dir, name, problem):
+    from service.artifacts.bundle import load_bundle
+    from service.errors import BundleError
+    from service.runtime.index import IndexChoice
+
+    with pytest.raises(BundleError, match=problem):
+        load_bundle(small_bundle_dir, IndexChoice.parse(name))
+
+
+def test_index_choices_round_trip_their_names():
+    from service.runtime.index import IndexChoice
+
+    for name in ("bundle", "HNSW32", "HNSW32/efSearch=128", "IVF64,Flat/nprobe=8"):
+        assert IndexChoice.parse(name).name == name
+    assert IndexChoice.parse("bundle") == IndexChoice()

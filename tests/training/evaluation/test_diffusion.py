@@ -178,6 +178,22 @@ def test_harness_runs_diffusion_and_the_steps_curve(bundle, monkeypatch):
     assert all(p["solver_ms_per_query"] > 0 for p in curve["points"])
 
 
+def test_the_index_curve_measures_each_choice_against_exact(bundle, monkeypatch):
+    from training.evaluation.index_curve import index_curve, write_index_curve
+
+    monkeypatch.setitem(METHODS, "diffusion", diffusion)
+    curve = index_curve(bundle.path, "test", choices=("bundle", "HNSW16/efSearch=256"), seeds=1)
+    exact, hnsw = curve["points"]
+    assert (exact["index"], hnsw["index"]) == ("bundle", "HNSW16/efSearch=256")
+    assert exact["coverage_vs_exact"] == 1.0
+    # on a catalog this small a wide HNSW search finds what exact search finds
+    assert hnsw["single"]["coverage@10"] == pytest.approx(exact["single"]["coverage@10"], abs=0.02)
+    for p in curve["points"]:
+        assert p["single_search"]["one_ms"] > 0 and p["diffusion_search"]["batch_ms_per_query"] > 0
+    table = write_index_curve(bundle.path, curve).with_suffix(".md").read_text()
+    assert "| bundle |" in table and "| HNSW16/efSearch=256 |" in table
+
+
 def test_seeds_average_a_sampling_method_over_its_seeds(bundle):
     from service.errors import InputError
     from training.evaluation.harness import evaluate
