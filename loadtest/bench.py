@@ -28,6 +28,7 @@ from service.paths.answer import PathQuery
 from service.paths.diffusion import DiffusionPath
 from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
+from service.runtime.index import IndexChoice
 from service.runtime.sampler import DiffusionSampler
 from service.scheduling.retriever import ar_path
 from service.settings import Settings
@@ -93,7 +94,7 @@ def compute_s(clock: dict[str, float]) -> float:
 
 def diffusion_path(bundle_dir: Path, threads: int, encoder: Encoder | None = None
                    ) -> DiffusionPath:
-    bundle = load_bundle(bundle_dir)
+    bundle = load_bundle(bundle_dir, IndexChoice.parse(Settings(bundle=bundle_dir).index))
     sampler = DiffusionSampler(bundle_dir / "diffusion", threads=threads)
     return DiffusionPath(bundle, encoder or Encoder(bundle.encoder_config), sampler, seed=0)
 

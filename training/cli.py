@@ -8,6 +8,7 @@ from pathlib import Path
 
 from service.errors import R4TError
 from service.fanout.trie import DECODINGS
+from service.settings import Settings
 from training.commands import positive, register_diffusion
 
 DEFAULT_BUNDLE = Path("models/default")
@@ -65,6 +66,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def evaluate_methods(args: argparse.Namespace) -> None:
     from service.artifacts.bundle import load_bundle
     from service.runtime.encoder import Encoder
+    from service.runtime.index import IndexChoice
     from training.evaluation.baselines import BASELINES
     from training.evaluation.fanout import FANOUT_METHODS
     from training.evaluation.harness import (
@@ -75,7 +77,7 @@ def evaluate_methods(args: argparse.Namespace) -> None:
         write_report,
     )
 
-    bundle = load_bundle(args.bundle)
+    bundle = load_bundle(args.bundle, IndexChoice.parse(args.index))
     encoder = Encoder(bundle.encoder_config)
     names = sorted(METHODS) if args.method == "all" else args.method.split(",")
     for name in names:
@@ -86,6 +88,7 @@ def evaluate_methods(args: argparse.Namespace) -> None:
             options["decoding"] = args.decoding
         report = evaluate(bundle, name, args.split, args.k, args.limit, encoder,
                           seeds=args.seeds, **options)
+        report["diagnostics"]["index"] = args.index
         print(f"wrote {write_report(args.bundle, report)}")
     print(results_table(args.bundle))
     print(paired_table(args.bundle, args.split))
@@ -130,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--ceilings", action="store_true",
                     help="label ceilings of the candidate sources (dense, lexical, hybrid) "
                          "instead")
+    ev.add_argument("--index", default=Settings.model_fields["index"].default,
+                    help="the index the methods search, as R4T_INDEX (default: the served one)")
     ev.add_argument("--index-curve", action="store_true",
                     help="single and diffusion quality and search ms under each R4T_INDEX "
                          "choice (exact, HNSW at three efSearch) instead")

@@ -6,6 +6,7 @@ catalogs; vectors are unit-norm, so inner product is cosine similarity.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,12 +64,22 @@ class IndexChoice:
 def chosen_index(own: faiss.Index, embeddings: np.ndarray, choice: IndexChoice) -> faiss.Index:
     """`own` (the bundle's index) or the index `choice` builds over the same rows."""
     try:
-        index = build_index(embeddings, choice.factory) if choice.factory else own
+        index = build_index_fast(embeddings, choice.factory) if choice.factory else own
         if choice.params:
             faiss.ParameterSpace().set_index_parameters(index, choice.params)
     except RuntimeError as exc:  # FAISS's own message names what it could not parse
         raise BundleError(f"index {choice.name!r}: {str(exc).strip().splitlines()[-1]}") from exc
     return index
+
+
+def build_index_fast(embeddings: np.ndarray, factory: str) -> faiss.Index:
+    """build_index on every core, whatever the searches' thread cap, which it then restores."""
+    searching = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(os.cpu_count() or 1)
+    try:
+        return build_index(embeddings, factory)
+    finally:
+        faiss.omp_set_num_threads(searching)
 
 
 def save_index(index: faiss.Index, path: Path) -> None:

@@ -396,6 +396,7 @@ def make_settings(bundle: Path, completion: CompletionServer | None, **overrides
         "routes": "diffusion=0.5,ar=0.5", "admin_token": ADMIN_TOKEN,
         "openai_base_url": completion.url if completion else None,
         "openai_backoff_s": 0.01, "groundedness_threshold": 0.0,
+        "index": "bundle",  # the harness's index: served answers compare with its own
     }
     return Settings(**{**base, **overrides})
 

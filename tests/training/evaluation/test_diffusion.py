@@ -147,7 +147,7 @@ def test_evaluation_returns_the_http_answer_for_the_same_seed(bundle):
     queries = Encoder(bundle.encoder_config).encode(texts)
     evaluated = [diffusion(bundle, k=10, seed=3)([t], queries[i : i + 1])
                  for i, t in enumerate(texts)]
-    settings = Settings(bundle=bundle.path, seed=3, threads=1, routes="diffusion=1",
+    settings = Settings(bundle=bundle.path, index="bundle", seed=3, threads=1, routes="diffusion=1",
                         groundedness_threshold=-1)
     with TestClient(create_app(settings)) as client:
         deadline = time.monotonic() + 120
