@@ -6,7 +6,7 @@ BUNDLE  ?= models/default
 STAMP   := $(VENV)/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install system-deps bundle eval serve test lint bench loadtest overload clean-bundle
+.PHONY: install system-deps bundle eval serve test lint bench scale loadtest overload clean-bundle
 
 install: $(STAMP)
 
@@ -42,6 +42,11 @@ serve: install
 bench: bundle
 	$(PY) -m loadtest.bench --bundle $(BUNDLE) --out loadtest/results \
 	  $(if $(BASELINE),--baseline $(BASELINE))
+
+# Search cost vs catalog size (82k rows, then 500k and 2M synthetic) and batch, exact and
+# the served approximate index (run alone; 8 min here) -> loadtest/results/scale.*
+scale: bundle
+	$(PY) -m loadtest.scale --bundle $(BUNDLE) --out loadtest/results
 
 # Headless Locust against a loopback server: single (the ceiling), diffusion, AR, A/B mix.
 loadtest: bundle
