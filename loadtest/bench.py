@@ -82,9 +82,13 @@ def timed_batch(path: Any, queries: list[str], k: int) -> dict[str, float]:
 
 
 def paired_ratio(a: Any, b: Any, queries: list[str], k: int, pairs: int = PAIRS) -> float:
-    """Median over alternating runs of a's time / b's: holds while the machine's speed drifts."""
-    ratios = [compute_s(timed_batch(a, queries, k)) / compute_s(timed_batch(b, queries, k))
-              for _ in range(pairs)]
+    """Median over alternating runs (a then b, then b then a) of a's time / b's: holds while
+    the machine's speed drifts."""
+    ratios = []
+    for i in range(pairs):
+        first, second = (a, b) if i % 2 == 0 else (b, a)
+        t_first, t_second = (compute_s(timed_batch(p, queries, k)) for p in (first, second))
+        ratios.append(t_first / t_second if i % 2 == 0 else t_second / t_first)
     return float(np.median(ratios))
 
 
@@ -108,6 +112,8 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
              "single": SinglePath(bundle, encoder)}
     if baseline is not None:  # another bundle's diffusion path, measured in the same loop
         paths["baseline"] = diffusion_path(baseline, threads, encoder)
+        if paths["baseline"].bundle.encoder_config != bundle.encoder_config:
+            raise SystemExit(f"--baseline {baseline} has another encoder; compare like bundles")
     k = int(sampler.config.get("k", 10))
     texts = [json.loads(line)["query"] for line in
              (bundle_dir / "benchmark" / "test.jsonl").read_text().splitlines()]

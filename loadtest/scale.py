@@ -134,10 +134,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bundle", type=Path, default=Path("models/default"))
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    parser.add_argument("--index", default=Settings.model_fields["index"].default,
-                        help="the approximate choice, as R4T_INDEX")
-    parser.add_argument("--threads", type=int, default=Settings.model_fields["faiss_threads"]
-                        .default, help="FAISS threads per search, as R4T_FAISS_THREADS")
+    served = Settings()  # R4T_INDEX and R4T_FAISS_THREADS, as the service would read them
+    parser.add_argument("--index", default=served.index, help="the approximate choice")
+    parser.add_argument("--threads", type=int, default=served.faiss_threads,
+                        help="FAISS threads per search")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
     args = parser.parse_args()
     report = run(args.bundle, tuple(int(s) for s in args.sizes.split(",")), args.index,

@@ -77,7 +77,8 @@ def evaluate_methods(args: argparse.Namespace) -> None:
         write_report,
     )
 
-    bundle = load_bundle(args.bundle, IndexChoice.parse(args.index))
+    index = args.index or Settings(bundle=args.bundle).index
+    bundle = load_bundle(args.bundle, IndexChoice.parse(index))
     encoder = Encoder(bundle.encoder_config)
     names = sorted(METHODS) if args.method == "all" else args.method.split(",")
     for name in names:
@@ -88,7 +89,7 @@ def evaluate_methods(args: argparse.Namespace) -> None:
             options["decoding"] = args.decoding
         report = evaluate(bundle, name, args.split, args.k, args.limit, encoder,
                           seeds=args.seeds, **options)
-        report["diagnostics"]["index"] = args.index
+        report["diagnostics"]["index"] = index
         print(f"wrote {write_report(args.bundle, report)}")
     print(results_table(args.bundle))
     print(paired_table(args.bundle, args.split))
@@ -133,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--ceilings", action="store_true",
                     help="label ceilings of the candidate sources (dense, lexical, hybrid) "
                          "instead")
-    ev.add_argument("--index", default=Settings.model_fields["index"].default,
-                    help="the index the methods search, as R4T_INDEX (default: the served one)")
+    ev.add_argument("--index", default=None,
+                    help="the index the methods search, as R4T_INDEX (default: R4T_INDEX's "
+                         "value, i.e. the served one)")
     ev.add_argument("--index-curve", action="store_true",
                     help="single and diffusion quality and search ms under each R4T_INDEX "
                          "choice (exact, HNSW at three efSearch) instead")

@@ -26,7 +26,9 @@ import numpy as np
 
 LEXICAL_FILE = "lexical.sqlite"
 TOKENIZER = "porter unicode61 remove_diacritics 2"
-WORD = re.compile(r"\w+", re.UNICODE)
+WORD = re.compile(r"[^\W_]+", re.UNICODE)  # letters and digits: unicode61 splits at "_"
+K1, B = 1.2, 0.75  # FTS5's bm25() constants
+FTS5_IDF_FLOOR = 1e-6  # FTS5's idf for a token in half the texts or more (Robertson's is ≤ 0)
 MAX_DF = 0.05  # share of texts above which a word is too common to search for
 
 
@@ -67,14 +69,19 @@ class FtsTokenizer:
 
     def __init__(self, cache_size: int = 1 << 16) -> None:
         self._db = sqlite3.connect(":memory:", check_same_thread=False)
+        self._lock = threading.Lock()  # one connection: a cache miss at a time
         self._db.execute(f"CREATE VIRTUAL TABLE q USING fts5(text, tokenize='{TOKENIZER}')")
         self._db.execute("CREATE VIRTUAL TABLE v USING fts5vocab(q, instance)")
         self.tokens = functools.lru_cache(maxsize=cache_size)(self._tokens)
 
     def _tokens(self, word: str) -> tuple[str, ...]:
-        self._db.execute("DELETE FROM q")
-        self._db.execute("INSERT INTO q(rowid, text) VALUES (1, ?)", (word,))
-        return tuple(t for (t,) in self._db.execute("SELECT term FROM v ORDER BY offset"))
+        with self._lock:
+            self._db.execute("DELETE FROM q")
+            self._db.execute("INSERT INTO q(rowid, text) VALUES (1, ?)", (word,))
+            return tuple(t for (t,) in self._db.execute("SELECT term FROM v ORDER BY offset"))
+
+    def close(self) -> None:
+        self._tokenizer.close()
 
 
 def indexed_tokens(db: sqlite3.Connection, size: int) -> tuple[dict[str, int], list[list[int]]]:
@@ -92,6 +99,21 @@ def indexed_tokens(db: sqlite3.Connection, size: int) -> tuple[dict[str, int], l
     return vocab, [ids[bounds[i] : bounds[i + 1]].tolist() for i in range(size)]
 
 
+def floor_common_tokens(scores: dict, corpus: list[list[int]]) -> None:
+    """Give the tokens in half the texts or more FTS5's idf floor instead of Robertson's 0, so
+    texts that match only them still rank by term frequency and length, as in FTS5."""
+    n, indptr = len(corpus), scores["indptr"]
+    lengths = np.array([len(doc) for doc in corpus], dtype=np.float64)  # (N,)
+    norm = K1 * (1 - B + B * lengths / max(lengths.mean(), 1e-9))  # (N,)
+    for token in range(len(indptr) - 1):
+        df = indptr[token + 1] - indptr[token]
+        if (n - df + 0.5) / (df + 0.5) > 1:  # FTS5's idf > 0: bm25s already agrees
+            continue
+        rows = scores["indices"][indptr[token] : indptr[token + 1]]
+        tf = np.array([corpus[r].count(token) for r in rows], dtype=np.float64)
+        scores["data"][indptr[token] : indptr[token + 1]] = FTS5_IDF_FLOOR * tf / (norm[rows] + tf)
+
+
 class LexicalIndex:
     """Read-only BM25 search over a bundle's lexical.sqlite, safe to share between threads.
 
@@ -104,16 +126,17 @@ class LexicalIndex:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
-        self._lock = threading.Lock()  # one sqlite3 connection: calls are serialised
         (self.size,) = self._db.execute("SELECT count(*) FROM items").fetchone()
         has_list = self._db.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table' "
                                     "AND name = 'frequent'").fetchone()[0]
         self.frequent = frozenset(w for (w,) in self._db.execute("SELECT word FROM frequent")
                                   ) if has_list else frozenset()
         self.vocab, corpus = indexed_tokens(self._db, self.size)
-        self._bm25 = bm25s.BM25(method="robertson", k1=1.2, b=0.75, dtype="float64")
+        self._db.close()  # everything searched is in memory from here on
+        self._bm25 = bm25s.BM25(method="robertson", k1=K1, b=B, dtype="float64")
         self._bm25.index(bm25s.tokenization.Tokenized(ids=corpus, vocab=self.vocab),
                          show_progress=False)
+        floor_common_tokens(self._bm25.scores, corpus)
         self._tokenizer = FtsTokenizer()
 
     def token_ids(self, query: str) -> list[int]:
@@ -123,8 +146,7 @@ class LexicalIndex:
 
     def search(self, queries: Sequence[str], n: int) -> list[np.ndarray]:
         """Per query, up to n catalog rows whose text shares a word with it, best BM25 first."""
-        with self._lock:
-            return [self._ranked(self.token_ids(query), n) for query in queries]
+        return [self._ranked(self.token_ids(query), n) for query in queries]
 
     def _ranked(self, ids: list[int], n: int) -> np.ndarray:
         if not ids or n <= 0:

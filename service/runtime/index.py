@@ -6,7 +6,6 @@ catalogs; vectors are unit-norm, so inner product is cosine similarity.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +15,10 @@ import numpy as np
 from service.errors import BundleError
 
 EXACT = "Flat"
-# Exact search uses its BLAS (sgemm) kernel only past a threshold of probes per call; the
-# faiss-cpu wheel ships 128000 (never). Measured here (82k × 128-d, k=72, 1 thread, ms per
-# probe): per-probe kernel 1.7 at any count; BLAS 9.5 for 1 probe, 2.3 for 4, 1.4 for 8, 0.6 for
-# 32. So calls of fewer than BLAS_FROM probes keep the per-probe kernel.
+# FAISS's `distance_compute_blas_threshold` picks exact search's kernel; the faiss-cpu wheel
+# ships 128000. Measured here (82k × 128-d, k=72, 1 thread, ms per probe): at 128000, 1.7 at
+# any call size; at 16, 9.5 for a 1-probe call, 2.3 for 4, 1.4 for 8, 0.6 for 32. So calls of
+# fewer than BLAS_FROM probes keep the wheel's setting.
 BLAS_THRESHOLD = 16
 BLAS_FROM = 8
 NO_BLAS = 128_000
@@ -70,7 +69,7 @@ class IndexChoice:
 def chosen_index(own: faiss.Index, embeddings: np.ndarray, choice: IndexChoice) -> faiss.Index:
     """`own` (the bundle's index) or the index `choice` builds over the same rows."""
     try:
-        index = build_index_fast(embeddings, choice.factory) if choice.factory else own
+        index = build_index_once(embeddings, choice.factory) if choice.factory else own
         if choice.params:
             faiss.ParameterSpace().set_index_parameters(index, choice.params)
     except RuntimeError as exc:  # FAISS's own message names what it could not parse
@@ -78,10 +77,11 @@ def chosen_index(own: faiss.Index, embeddings: np.ndarray, choice: IndexChoice) 
     return index
 
 
-def build_index_fast(embeddings: np.ndarray, factory: str) -> faiss.Index:
-    """build_index on every core, whatever the searches' thread cap, which it then restores."""
+def build_index_once(embeddings: np.ndarray, factory: str) -> faiss.Index:
+    """build_index on one thread: FAISS's parallel HNSW insertion makes a different graph on
+    each build, and replicas of one bundle must answer alike."""
     searching = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(os.cpu_count() or 1)
+    faiss.omp_set_num_threads(1)
     try:
         return build_index(embeddings, factory)
     finally:
@@ -137,5 +137,6 @@ def neighbourhood(index: faiss.Index, embeddings: np.ndarray, queries: np.ndarra
 
 
 def set_threads(n: int) -> None:
-    """Cap FAISS's OpenMP threads (the service shares two cores with ONNX Runtime)."""
+    """Cap FAISS's OpenMP threads in the calling thread (OpenMP keeps the cap per thread, so
+    each thread that searches sets it; the service shares two cores with ONNX Runtime)."""
     faiss.omp_set_num_threads(max(1, n))

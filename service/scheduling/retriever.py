@@ -173,6 +173,7 @@ class Retriever:
 
     def _timed(self, path: RetrievalPath) -> Callable[[Sequence[PathQuery]], list[PathAnswer]]:
         def compute(batch: Sequence[PathQuery]) -> list[PathAnswer]:
+            set_threads(self.settings.faiss_threads)  # OpenMP's cap is per thread: this one's
             answers = path(batch)
             if answers:
                 self.metrics.observe_stages(path.name, answers[0].timings_s)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import faiss
 import numpy as np
 from tqdm import tqdm
 
@@ -70,8 +71,8 @@ def index_curve(bundle_dir: Path, split: str = "test", choices: tuple[str, ...] 
         if choice.factory not in built:
             built[choice.factory] = chosen_index(own.index, own.items.embeddings,
                                                  IndexChoice(choice.factory))
-        index = chosen_index(built[choice.factory], own.items.embeddings,
-                             IndexChoice("", choice.params))
+        index = chosen_index(faiss.clone_index(built[choice.factory]), own.items.embeddings,
+                             IndexChoice("", choice.params))  # a copy: params never carry over
         started = time.perf_counter()
         points.append(point(dataclasses.replace(own, index=index), name, split, k, seeds,
                             encoder))

@@ -155,11 +155,13 @@ def examples(bundle_dir: Path, split: str, by_method: dict[str, dict[str, Any]],
              items: ItemStore, n: int = EXAMPLES) -> str:
     """HTML tables for the example queries: the query's branches, and per method the items
     it returned, each marked with its branch."""
-    kept = {m: by_method[m] for m in EXAMPLE_METHODS
-            if m in by_method and by_method[m]["diagnostics"].get("items")}
-    if len(kept) < 2:
-        return "<p>Per-query examples appear once two methods are evaluated by this version.</p>"
     queries = load_split(bundle_dir, split)
+    kept = {m: by_method[m] for m in EXAMPLE_METHODS  # whole-split reports only (no --limit)
+            if m in by_method and len(by_method[m]["diagnostics"].get("items") or ()) ==
+            len(queries)}
+    if len(kept) < 2:
+        return ("<p>Per-query examples appear once two methods are evaluated on the whole "
+                "split by this version.</p>")
     coverage = {m: np.array([c if c is not None else np.nan for c in
                              r["diagnostics"]["per_query"]["coverage@10"]])
                 for m, r in kept.items()}

@@ -53,6 +53,22 @@ def test_the_ranking_is_fts5s_own(small_bundle_dir):
     assert sum(len(rows) > 1 for rows in bundle.lexical.search(queries, 30)) > len(queries) / 2
 
 
+def test_the_ranking_is_fts5s_own_for_common_tokens_and_joined_words(tmp_path):
+    """A token in most texts keeps FTS5's idf floor (texts rank by tf and length, not by row);
+    "rock_roll" is two words to both, as unicode61 splits at "_"."""
+    texts = [("thing " * (1 + i % 4) + f"word{i} " + "x " * (i % 7)).strip() for i in range(40)]
+    texts += ["rock_roll band", "rock and roll", "lamp of things"]
+    build_lexical_index(tmp_path / "x.sqlite", texts)
+    index = LexicalIndex(tmp_path / "x.sqlite")
+    db = sqlite3.connect(tmp_path / "x.sqlite")
+    for query in ("thing", "things", "rock_roll", "lamp things x"):
+        expression = " OR ".join(f'"{w}"' for w in query_words(query, index.frequent))
+        expected = [r for (r,) in db.execute("SELECT rowid FROM items WHERE items MATCH ? "
+                                             "ORDER BY rank, rowid LIMIT 15", (expression,))]
+        assert index.search([query], 15)[0].tolist() == expected, query
+    assert index.search(["thing"], 15)[0].tolist() != list(range(15))  # not in row order
+
+
 @pytest.mark.parametrize("query, kept", [
     ("Musical instrument", ["musical", "instrument"]),
     ('a "b" OR c*', ["a", "b", "or", "c"]),  # no FTS5 syntax gets through
