@@ -23,7 +23,9 @@ import numpy as np
 import onnxruntime as ort
 from tqdm import tqdm
 
+from loadtest.figure import figure
 from service.artifacts.bundle import load_bundle
+from service.errors import R4TError
 from service.paths.answer import PathQuery
 from service.paths.diffusion import DiffusionPath
 from service.paths.single import SinglePath
@@ -32,6 +34,7 @@ from service.runtime.index import IndexChoice
 from service.runtime.sampler import DiffusionSampler
 from service.scheduling.retriever import ar_path
 from service.settings import Settings
+from training.commands import positive_list
 
 BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 REPEATS = 3  # per batch size and path; the fastest run is reported
@@ -225,25 +228,17 @@ def baseline_table(report: dict) -> list[str]:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     batches = [r["batch"] for r in report["rows"]]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(batches, [r["ar_s"] for r in report["rows"]], "o-", label="r4t autoregressive")
-    ax.plot(batches, [r["diffusion_s"] for r in report["rows"]], "s-", label="r4t diffusion")
-    ax.plot(batches, [r["paper_ar_s"] for r in report["rows"]], "o--", alpha=0.4,
-            label="paper AR (4B, unstated hardware)")
-    ax.plot(batches, [r["paper_diffusion_s"] for r in report["rows"]], "s--", alpha=0.4,
-            label="paper diffusion")
-    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="seconds per batch",
-           title=f"{report['machine']['cpu']} ({report['machine']['cores']} cores)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, (7, 4.5)) as ax:
+        ax.plot(batches, [r["ar_s"] for r in report["rows"]], "o-", label="r4t autoregressive")
+        ax.plot(batches, [r["diffusion_s"] for r in report["rows"]], "s-", label="r4t diffusion")
+        ax.plot(batches, [r["paper_ar_s"] for r in report["rows"]], "o--", alpha=0.4,
+                label="paper AR (4B, unstated hardware)")
+        ax.plot(batches, [r["paper_diffusion_s"] for r in report["rows"]], "s--", alpha=0.4,
+                label="paper diffusion")
+        ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="seconds per batch",
+               title=f"{report['machine']['cpu']} ({report['machine']['cores']} cores)")
+        ax.legend()
 
 
 def write_outputs(report: dict, out_dir: Path) -> None:
@@ -256,14 +251,16 @@ def write_outputs(report: dict, out_dir: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bundle", type=Path, default=Path("models/default"))
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--batches", type=positive_list, default=BATCHES)
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0 = all)")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
     parser.add_argument("--baseline", type=Path,
                         help="another bundle whose diffusion path is measured beside this one's")
     args = parser.parse_args()
-    batches = tuple(int(b) for b in args.batches.split(","))
-    report = run(args.bundle, batches, args.threads, args.out, args.baseline)
+    try:
+        report = run(args.bundle, args.batches, args.threads, args.out, args.baseline)
+    except R4TError as exc:  # a missing or refused bundle, a bad R4T_INDEX
+        parser.error(str(exc))
     print(markdown(report))
 
 

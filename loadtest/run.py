@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.figure import figure
+
 SCENARIOS = ("single", "diffusion", "ar", "mix")
 # The rates measured sustainable on 2 cores (server and Locust sharing them); see README.
 # `single` (one dense query) comes first, offered twice the rate: the ceiling beside the others.
@@ -132,27 +134,19 @@ def markdown(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels, values = [], []
     for r in results:
         for route, lat in sorted(r["latency_ms_by_route"].items()):
             labels.append(f"{r['scenario']}\n{route}")
             values.append([lat["50"], lat["95"], lat["99"]])
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.25
-    for j, name in enumerate(("p50", "p95", "p99")):
-        ax.bar([i + (j - 1) * width for i in range(len(labels))], [v[j] for v in values],
-               width, label=name)
-    ax.set_xticks(range(len(labels)), labels)
-    ax.set(ylabel="ms", title="r4t latency under load (loopback)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, (8, 4)) as ax:
+        width = 0.25
+        for j, name in enumerate(("p50", "p95", "p99")):
+            ax.bar([i + (j - 1) * width for i in range(len(labels))], [v[j] for v in values],
+                   width, label=name)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set(ylabel="ms", title="r4t latency under load (loopback)")
+        ax.legend()
 
 
 def main() -> None:

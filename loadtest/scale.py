@@ -21,9 +21,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from loadtest.figure import figure
 from service.artifacts.bundle import load_bundle
+from service.errors import R4TError
 from service.runtime.index import IndexChoice, build_index, chosen_index, search, set_threads
 from service.settings import Settings
+from training.commands import positive_list
 
 SIZES = (82_115, 500_000, 2_000_000)
 BATCHES = (1, 8, 64, 512)
@@ -109,39 +112,33 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = [r["size"] for r in report["rows"]]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for b in report["batches"]:
-        line = ax.plot(sizes, [1e3 * r["exact_s"][b] for r in report["rows"]], "o-",
-                       label=f"exact, batch {b}")[0]
-        ax.plot(sizes, [1e3 * r["approximate_s"][b] for r in report["rows"]], "s--",
-                color=line.get_color(), label=f"{report['index']}, batch {b}")
-    ax.set(xscale="log", yscale="log", xlabel="catalog rows", ylabel="ms per query",
-           title=f"top-{report['k']} search cost as the catalog grows")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, (7.5, 4.5)) as ax:
+        for b in report["batches"]:
+            line = ax.plot(sizes, [1e3 * r["exact_s"][b] for r in report["rows"]], "o-",
+                           label=f"exact, batch {b}")[0]
+            ax.plot(sizes, [1e3 * r["approximate_s"][b] for r in report["rows"]], "s--",
+                    color=line.get_color(), label=f"{report['index']}, batch {b}")
+        ax.set(xscale="log", yscale="log", xlabel="catalog rows", ylabel="ms per query",
+               title=f"top-{report['k']} search cost as the catalog grows")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bundle", type=Path, default=Path("models/default"))
-    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--sizes", type=positive_list, default=SIZES)
     served = Settings()  # R4T_INDEX and R4T_FAISS_THREADS, as the service would read them
     parser.add_argument("--index", default=served.index, help="the approximate choice")
     parser.add_argument("--threads", type=int, default=served.faiss_threads,
                         help="FAISS threads per search")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
     args = parser.parse_args()
-    report = run(args.bundle, tuple(int(s) for s in args.sizes.split(",")), args.index,
-                 args.threads)
+    try:
+        report = run(args.bundle, args.sizes, args.index, args.threads)
+    except R4TError as exc:  # a missing or refused bundle, a bad --index
+        parser.error(str(exc))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scale.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "scale.md").write_text(markdown(report))

@@ -38,6 +38,15 @@ def positive(text: str) -> int:
     return value
 
 
+def positive_list(text: str) -> tuple[int, ...]:
+    """An argparse type: a comma list of integers of at least 1."""
+    try:
+        return tuple(positive(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be integers separated by commas, got {text!r}"
+                                          ) from None
+
+
 def non_negative(text: str) -> int:
     """An argparse type: an integer of at least 0."""
     value = int(text)

@@ -103,12 +103,13 @@ def floor_common_tokens(scores: dict, corpus: list[list[int]]) -> None:
     """Give the tokens in half the texts or more FTS5's idf floor instead of Robertson's 0, so
     texts that match only them still rank by term frequency and length, as in FTS5."""
     n, indptr = len(corpus), scores["indptr"]
+    df = np.diff(indptr)  # (V,) texts per token
+    common = np.flatnonzero((n - df + 0.5) / (df + 0.5) <= 1)  # FTS5's idf ≤ 0: floored
+    if not len(common):
+        return
     lengths = np.array([len(doc) for doc in corpus], dtype=np.float64)  # (N,)
     norm = K1 * (1 - B + B * lengths / max(lengths.mean(), 1e-9))  # (N,)
-    for token in range(len(indptr) - 1):
-        df = indptr[token + 1] - indptr[token]
-        if (n - df + 0.5) / (df + 0.5) > 1:  # FTS5's idf > 0: bm25s already agrees
-            continue
+    for token in common.tolist():
         rows = scores["indices"][indptr[token] : indptr[token + 1]]
         tf = np.array([corpus[r].count(token) for r in rows], dtype=np.float64)
         scores["data"][indptr[token] : indptr[token + 1]] = FTS5_IDF_FLOOR * tf / (norm[rows] + tf)

@@ -72,8 +72,9 @@ def chosen_index(own: faiss.Index, embeddings: np.ndarray, choice: IndexChoice) 
         index = build_index_once(embeddings, choice.factory) if choice.factory else own
         if choice.params:
             faiss.ParameterSpace().set_index_parameters(index, choice.params)
-    except RuntimeError as exc:  # FAISS's own message names what it could not parse
-        raise BundleError(f"index {choice.name!r}: {str(exc).strip().splitlines()[-1]}") from exc
+    except RuntimeError as exc:  # FAISS's message ends with what it could not parse or set
+        reason = str(exc).strip().splitlines()[-1].rsplit(": ", 1)[-1]
+        raise BundleError(f"index {choice.name!r}: {reason}") from exc
     return index
 
 
