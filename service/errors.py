@@ -26,9 +26,13 @@ class BundleError(R4TError):
 
 
 class OverloadError(R4TError):
-    """The bounded queue is full; the client should retry after a short pause."""
+    """The path cannot answer in time (queue full or expected wait too long); retry later."""
 
     http_status = 429
+
+    def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # the wait estimate behind the refusal, if any
 
 
 class DeadlineError(R4TError):

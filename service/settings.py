@@ -87,10 +87,42 @@ class Settings(BaseSettings):
     request_timeout_ms: float = Field(
         5000.0, gt=0, description="Deadline of a request from arrival; past it → 504."
     )
-    retry_after_s: int = Field(1, ge=0, description="Retry-After header sent with a 429.")
+    admit_wait_fraction: float = Field(
+        0.25, gt=0, le=1, description="Admission by expected wait: a request whose path's "
+        "expected queue wait (measured batch time × batches ahead) exceeds this fraction of its "
+        "time left gets a 429 at once, with Retry-After from the estimate, instead of a slow "
+        "504.",
+    )
+    retry_after_s: int = Field(
+        1, ge=0, description="Least Retry-After sent with a 429 (the wait estimate may say "
+        "more)."
+    )
     max_in_flight: int = Field(
         512, ge=1, description="Retrieval requests admitted at once; beyond, an immediate 429 "
         "before the body is read (a batch call counts once).",
+    )
+    # --- connections and shutdown
+    max_connections: int = Field(
+        1024, ge=1, description="Open connections (and their requests) served at once; beyond, "
+        "uvicorn answers 503 at once.",
+    )
+    receive_timeout_s: float = Field(
+        10.0, gt=0, description="Time a client has to send a whole request, headers and body, "
+        "from its connection or its request's first byte; then 408 and close (slow clients "
+        "cannot hold connections).",
+    )
+    drain_s: float = Field(
+        2.0, ge=0, description="On SIGTERM, /readyz answers 503 this long while requests are "
+        "still served (a load balancer stops sending), then the listener closes.",
+    )
+    shutdown_grace_s: float = Field(
+        10.0, gt=0, description="After the drain, how long in-flight requests may take before "
+        "they are cancelled and the process exits.",
+    )
+    # --- fault injection (chaos tests)
+    fault_diffusion_rate: float = Field(
+        0.0, ge=0, le=1, description="Fraction of diffusion batches whose sampler run raises on "
+        "purpose (chaos testing: their requests must fall back to AR); 0 in production.",
     )
     # --- routing and fallback
     routes: str = Field(

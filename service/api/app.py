@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -90,7 +91,8 @@ def install_error_handlers(app: FastAPI, metrics: Metrics, settings: Settings) -
     async def on_r4t_error(request: Request, exc: R4TError) -> JSONResponse:
         headers = None
         if isinstance(exc, OverloadError):
-            headers = {"Retry-After": str(settings.retry_after_s)}
+            wait_s = max(settings.retry_after_s, math.ceil(exc.retry_after_s))
+            headers = {"Retry-After": str(wait_s)}
         metrics.rejected.labels(reason=type(exc).__name__).inc()
         return error_response(exc.http_status, type(exc).__name__, str(exc), headers=headers)
 
@@ -123,6 +125,13 @@ class ServiceState:
         self.reload = ReloadStatus(state="idle")
         self.reload_task: asyncio.Task | None = None
         self.retiring: set[asyncio.Task] = set()
+        self.draining = False
+
+    def begin_drain(self) -> None:
+        """SIGTERM: report not ready (a load balancer stops sending) but keep serving."""
+        self.draining = True
+        self.metrics.ready.set(0)
+        log.info("draining: /readyz answers 503 until the listener closes")
 
     def ready(self) -> Retriever:
         if self.retriever is None:
@@ -230,7 +239,7 @@ class ServiceState:
         try:
             old = self.publish(await self.load(bundle_dir, strict=True))
             self.startup, self.startup_error = "ready", None
-            self.metrics.ready.set(1)
+            self.metrics.ready.set(0 if self.draining else 1)
             self.reload = self.reload.model_copy(update={"state": "succeeded"})
             self.metrics.reloads.labels(outcome="succeeded").inc()
             if old is not None:
@@ -337,6 +346,9 @@ def install_routes(app: FastAPI, state: ServiceState) -> None:
              responses={503: {"description": "Loading, or start-up failed"}})
     async def readyz() -> JSONResponse:
         building = (read_build_status(state.served_path()) or {}).get("state") == "running"
+        if state.draining:
+            return JSONResponse({"status": "draining", "reason": "shutting down (SIGTERM)",
+                                 "building": building}, status_code=503)
         if state.retriever is None:
             body = {"status": state.startup, "reason": state.startup_error, "building": building}
             return JSONResponse(body, status_code=503)

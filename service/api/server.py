@@ -14,15 +14,22 @@ import json
 import logging
 import logging.config
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+import uvicorn
+from fastapi import FastAPI
+
 from service.api.middleware import current_request_id
+from service.api.protocol import receive_deadline_protocol
 from service.settings import Settings
 
 DEFAULT_BUNDLE = Path("models/default")  # the r4t command's --bundle default
@@ -73,20 +80,59 @@ def log_config(level: str) -> dict[str, Any]:
     }
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but SIGTERM first drains: /readyz turns 503 while requests are still served for
+    `drain_s` (a load balancer stops sending), then the listener closes, in-flight requests
+    finish within `shutdown_grace_s`, and the process exits 0 (uvicorn would re-raise the
+    signal after its shutdown, which kills the process with status -15). A second SIGTERM
+    ends the drain early."""
+
+    def __init__(self, config: uvicorn.Config, begin_drain: Callable[[], None],
+                 drain_s: float) -> None:
+        super().__init__(config)
+        self.begin_drain, self.drain_s = begin_drain, drain_s
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM:
+            super().handle_exit(sig, frame)
+        elif self.draining:  # a second SIGTERM ends the drain now
+            self.stop()
+        else:
+            self.draining = True
+            self.begin_drain()
+            timer = threading.Timer(self.drain_s, self.stop)
+            timer.daemon = True
+            timer.start()
+
+    def stop(self) -> None:
+        self.should_exit = True
+
+
+def server_for(settings: Settings, app: FastAPI, log_config: dict[str, Any] | None = None
+               ) -> DrainingServer:
+    """The uvicorn server `r4t serve` runs: the service's limits, drain and receive deadline."""
+    state = app.state.r4t
+    protocol = receive_deadline_protocol(
+        settings.receive_timeout_s, state.metrics.rejected.labels(reason="ReceiveTimeout").inc
+    )
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=log_config, http=protocol,
+        access_log=False, proxy_headers=False, server_header=False, timeout_keep_alive=30,
+        limit_concurrency=settings.max_connections,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
+    )
+    return DrainingServer(config, state.begin_drain, settings.drain_s)
+
+
 def serve(settings: Settings | None = None) -> None:
     """Run the service in the foreground until interrupted."""
-    import uvicorn
-
     from service.api.app import create_app
 
     settings = settings or Settings()
     config = log_config(settings.log_level)
     logging.config.dictConfig(config)
-    app = create_app(settings)
-    uvicorn.run(
-        app, host=settings.host, port=settings.port, log_config=config,
-        access_log=False, proxy_headers=False, server_header=False, timeout_keep_alive=30,
-    )
+    server_for(settings, create_app(settings), config).run()
 
 
 @contextmanager

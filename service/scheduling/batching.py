@@ -54,12 +54,14 @@ class Batcher(Generic[P, R]):
         max_batch_size: int,
         max_wait_ms: float,
         queue_size: int,
+        admit_wait_fraction: float = 1.0,
         metrics: Metrics | None = None,
     ) -> None:
         self.name = name
         self._compute = compute
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
+        self.admit_wait_fraction = admit_wait_fraction
         self._queue: asyncio.Queue[Job[P]] = asyncio.Queue(maxsize=queue_size)
         self._arrived = asyncio.Event()
         self._metrics = metrics
@@ -82,21 +84,38 @@ class Batcher(Generic[P, R]):
         return self._queue.maxsize - self._queue.qsize()
 
     def expected_wait_s(self) -> float:
-        """Rough time until a request submitted now is answered (queue ahead + own batch)."""
+        """Time until a request submitted now is answered: the batches queued ahead of it, the
+        one in compute and its own, each at the measured batch time (an EWMA, so it follows
+        batches as they grow with the load)."""
         batches_ahead = self._queue.qsize() // self.max_batch_size + 1 + int(self._busy)
         return self.batch_s_estimate * batches_ahead + self.max_wait_s
 
+    def admit(self, deadline: float) -> None:
+        """Refuse (OverloadError) a request that would wait longer than its share of the time
+        it has left: refused now it costs a fast 429, admitted it would time out as a 504."""
+        expected = self.expected_wait_s()
+        budget = (deadline - time.monotonic()) * self.admit_wait_fraction
+        if expected > budget:
+            raise OverloadError(
+                f"the {self.name} path is busy: expected wait {expected * 1000:.0f} ms exceeds "
+                f"this request's budget of {max(budget, 0.0) * 1000:.0f} ms; retry shortly",
+                retry_after_s=expected,
+            )
+
     async def submit(self, payload: P, deadline: float) -> Completed[R]:
-        """Queue one request and wait for its answer; OverloadError when the queue is full."""
+        """Queue one request and wait for its answer; OverloadError when the queue is full or
+        the expected wait exceeds the request's budget."""
         if self._closed:
             raise UnavailableError(f"the {self.name} path is shutting down")
+        self.admit(deadline)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         job = Job(payload, future, deadline, time.monotonic())
         try:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:
             raise OverloadError(
-                f"the {self.name} queue is full ({self._queue.maxsize} waiting); retry shortly"
+                f"the {self.name} queue is full ({self._queue.maxsize} waiting); retry shortly",
+                retry_after_s=self.expected_wait_s(),
             ) from None
         self._arrived.set()
         self._set_depth()

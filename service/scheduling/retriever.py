@@ -1,9 +1,9 @@
 """The served state: one loaded bundle with its paths, batchers and router, swapped whole
 on reload. A bundle with only its catalog serves the `single` route; the AR route needs stage 1,
 diffusion stage 3. It answers a request by its A/B arm and falls back from diffusion to the AR
-path (or, without one, to `single`) when diffusion is unavailable, fails, would miss the
-deadline, or fails the quality gate (groundedness below the threshold); every fallback is
-counted by reason.
+path (or, without one, to `single`) when diffusion is unavailable, fails, or fails the quality
+gate (groundedness below the threshold); every fallback is counted by reason. A diffusion path
+too busy to answer in time refuses (429) instead: the slower AR path would not do better.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from service.paths.autoregressive import AutoregressivePath, FanoutBackend, Onnx
 from service.paths.diffusion import DiffusionPath, Sampler
 from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
+from service.runtime.faults import FaultySampler
 from service.runtime.index import IndexChoice, set_threads
 from service.runtime.openai_backend import OpenAICompletionBackend, OpenAIConfig
 from service.scheduling.batching import Batcher, Completed, describe
@@ -124,6 +125,8 @@ def load_paths(
             raise BundleError(f"bundle has no {SAMPLER_FILE}")
         sampler = loaders.sampler(bundle.path / "diffusion", settings.provider_list,
                                   settings.threads)
+        if settings.fault_diffusion_rate > 0:
+            sampler = FaultySampler(sampler, settings.fault_diffusion_rate, settings.seed)
         paths["diffusion"] = DiffusionPath(bundle, encoder, sampler, settings.seed)
     except Exception as exc:
         problems["diffusion"] = f"{type(exc).__name__}: {exc}"
@@ -166,7 +169,8 @@ class Retriever:
         for name, path in self.paths.items():
             batcher: Batcher[PathQuery, PathAnswer] = Batcher(
                 name, self._timed(path), max_batch_size=s.max_batch_size,
-                max_wait_ms=s.max_wait_ms, queue_size=s.queue_size, metrics=self.metrics,
+                max_wait_ms=s.max_wait_ms, queue_size=s.queue_size,
+                admit_wait_fraction=s.admit_wait_fraction, metrics=self.metrics,
             )
             batcher.start()
             self.batchers[name] = batcher
@@ -205,6 +209,9 @@ class Retriever:
             raise BundleError(f"no retrieval path survived warm-up: {self.problems}")
         self.router = Router(self.settings.route_weights, set(self.paths), self.settings.seed)
         self.warm = True
+        diffusion = self.paths.get("diffusion")
+        if isinstance(diffusion, DiffusionPath) and isinstance(diffusion.sampler, FaultySampler):
+            diffusion.sampler.armed = True  # faults start once the path is serving
 
     async def close(self) -> None:
         for batcher in self.batchers.values():
@@ -284,9 +291,7 @@ class Retriever:
         batcher = self.batchers.get("diffusion")
         if batcher is None:
             return None, "unavailable"
-        if deadline - time.monotonic() < batcher.expected_wait_s():
-            return None, "deadline"
-        try:
+        try:  # a busy diffusion path refuses (429): the slower AR path would not do better
             completed = await batcher.submit(query, deadline)
         except (OverloadError, DeadlineError):
             raise

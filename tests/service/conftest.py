@@ -29,10 +29,10 @@ from typing import Any
 import httpx
 import onnx
 import pytest
-import uvicorn
 from onnx import TensorProto, helper
 
 from service.api.app import create_app
+from service.api.server import server_for
 from service.artifacts.bundle import config_hash, read_manifest, stage, write_manifest
 from service.settings import Settings
 from training.data.splits import BenchmarkQuery
@@ -339,13 +339,13 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
 
 @contextmanager
 def live_server(settings: Settings, ready: bool = True) -> Iterator[LiveServer]:
-    """create_app(settings) under uvicorn on 127.0.0.1 (a free port), in a thread."""
+    """create_app(settings) under r4t serve's uvicorn server on 127.0.0.1 (a free port), in a
+    thread (signals stay with the test process: SIGTERM is tested on `serve_process`)."""
     app = create_app(settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
+    server = server_for(settings, app)  # r4t serve's own server: limits, receive deadline
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -369,24 +369,33 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_process(bundle: Path, completion: CompletionServer, log: Path,
-                  **env: str) -> Iterator[tuple[str, int]]:
+def server_process(bundle: Path, completion: CompletionServer, log: Path,
+                   **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """`r4t serve` of `bundle` as a subprocess on loopback (R4T_* overrides in `env`), ready;
-    yields (url, port) and stops it (SIGTERM) afterwards."""
+    yields (url, process) and stops it (SIGTERM) afterwards if it still runs."""
     port = free_port()
     environment = {**os.environ, "R4T_BUNDLE": str(bundle), "R4T_PORT": str(port),
                    "R4T_HOST": "127.0.0.1", "R4T_OPENAI_BASE_URL": completion.url,
-                   "R4T_THREADS": "1", **env}
+                   "R4T_THREADS": "1", "R4T_DRAIN_S": "0", **env}
     with log.open("w") as handle:
         process = subprocess.Popen([sys.executable, "-m", "training.cli", "serve"],
                                    env=environment, stdout=handle, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
             wait_ready(url, timeout_s=120)
-            yield url, port
+            yield url, process
         finally:
-            process.terminate()
-            process.wait(timeout=30)
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)
+
+
+@contextmanager
+def serve_process(bundle: Path, completion: CompletionServer, log: Path,
+                  **env: str) -> Iterator[tuple[str, int]]:
+    """`server_process`, yielding (url, port)."""
+    with server_process(bundle, completion, log, **env) as (url, _):
+        yield url, int(url.rsplit(":", 1)[1])
 
 
 def make_settings(bundle: Path, completion: CompletionServer | None, **overrides: Any

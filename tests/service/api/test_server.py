@@ -6,11 +6,16 @@ import argparse
 import json
 import logging
 import logging.config
+import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import httpx
 
 from service.api.middleware import request_id_var
 from service.api.server import JsonFormatter, log_config, register
 from service.settings import Settings
+from tests.service.conftest import WAIT_S, holding_completions, server_process, wait_until
 
 
 def test_serve_subcommand_is_registered_with_its_flags():
@@ -47,3 +52,36 @@ def test_settings_come_from_the_environment(monkeypatch):
     assert settings.route_weights == {"diffusion": 3.0, "ar": 1.0}
     assert settings.max_batch_size == 8 and settings.provider_list is None
     assert "admin_token" not in settings.public()
+
+
+def refuses_connections(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/healthz", timeout=WAIT_S)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def test_sigterm_drains_then_finishes_in_flight_work_and_exits_0(
+    serving_bundle, completion_server, tmp_path
+):
+    env = {"R4T_DRAIN_S": str(WAIT_S), "R4T_REQUEST_TIMEOUT_MS": str(1000 * WAIT_S)}
+    with server_process(serving_bundle, completion_server, tmp_path / "r4t.log", **env) as (
+            url, process), ThreadPoolExecutor(1) as pool, \
+            holding_completions(completion_server) as held:
+        in_flight = pool.submit(httpx.post, f"{url}/v1/retrieve", timeout=WAIT_S,
+                                json={"query": "harp", "route": "ar"})
+        wait_until(lambda: held.held == 1, "harp's fan-out held in compute")
+        process.send_signal(signal.SIGTERM)
+        wait_until(lambda: httpx.get(f"{url}/readyz").status_code == 503, "/readyz turned 503")
+        assert httpx.get(f"{url}/readyz").json()["status"] == "draining"
+        # draining: a load balancer stops sending, but what still arrives is answered
+        served = httpx.post(f"{url}/v1/retrieve", json={"query": "oak", "route": "single"})
+        assert served.status_code == 200
+        process.send_signal(signal.SIGTERM)  # a second one ends the drain: the listener closes
+        wait_until(lambda: refuses_connections(url), "the listener closed")
+        assert process.poll() is None  # still waiting on the request in flight
+        held.release()
+        answer = in_flight.result(timeout=WAIT_S)
+        assert answer.status_code == 200 and answer.json()["route"] == "ar"
+        assert process.wait(timeout=WAIT_S) == 0

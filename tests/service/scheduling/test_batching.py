@@ -246,3 +246,42 @@ def test_close_answers_the_batch_in_compute_at_once(monkeypatch):
 
     elapsed = run(scenario())
     assert 0.2 <= elapsed < 5.0  # the grace period is kept, and well before the 20 s deadline
+
+
+class Working:
+    """compute that takes `work_s` per batch (a model's time), announcing when it starts."""
+
+    def __init__(self, work_s: float) -> None:
+        self.work_s = work_s
+        self.entered = threading.Event()
+
+    def __call__(self, payloads: Sequence[int]) -> list[int]:
+        self.entered.set()
+        time.sleep(self.work_s)  # the work itself; no step of the test is ordered by it
+        return [2 * p for p in payloads]
+
+
+def test_admission_refuses_what_would_wait_past_its_budget():
+    work = Working(0.3)
+
+    async def scenario():
+        # budget = half the time left (0.5 s): one batch (>= 0.3 s) fits, two do not
+        batcher = Batcher("t", work, max_batch_size=1, max_wait_ms=0, queue_size=16,
+                          admit_wait_fraction=0.5)
+        batcher.start()
+        try:
+            await batcher.submit(1, time.monotonic() + 1.0)  # measures the batch time
+            assert batcher.batch_s_estimate >= work.work_s
+            work.entered.clear()
+            first = asyncio.ensure_future(batcher.submit(2, time.monotonic() + 1.0))  # fits
+            await wait_for(work.entered)
+            with pytest.raises(OverloadError) as refused:  # the batch in compute + its own
+                await batcher.submit(3, time.monotonic() + 1.0)
+            assert refused.value.retry_after_s >= 2 * work.work_s
+            assert "expected wait" in str(refused.value)
+            assert (await first).result == 4
+            assert batcher.depth == 0  # the refused request never took a queue slot
+        finally:
+            await batcher.close()
+
+    run(scenario())

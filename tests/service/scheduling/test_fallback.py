@@ -80,3 +80,25 @@ def test_model_paths_down_leaves_the_single_route_and_a_503_not_a_500(settings_f
         assert response.status_code == 503
         error = response.json()["error"]
         assert error["type"] == "UnavailableError" and "ar path is unavailable" in error["message"]
+
+
+def test_injected_sampler_faults_are_answered_by_ar(settings_for):
+    settings = settings_for(fault_diffusion_rate=1.0, routes="diffusion=1")
+    with live_server(settings) as live, live.client() as client:  # warm-up is never faulted
+        assert client.get("/readyz").json()["routes"] == ["diffusion", "ar", "single"]
+        for query in ("oak", "harp", "boat"):
+            body = client.post("/v1/retrieve", json={"query": query}).json()
+            assert body["arm"] == "diffusion" and body["route"] == "ar"
+            assert body["fallback"] == {"used": True, "reason": "error"}
+            assert_k_unique(body, 10)
+        assert fallback_count(client, "error") == 3
+        assert client.get("/v1/info").json()["settings"]["fault_diffusion_rate"] == 1.0
+
+
+def test_a_fault_rate_between_fails_that_share_of_batches(settings_for):
+    settings = settings_for(fault_diffusion_rate=0.5, seed=7, max_batch_size=1)
+    with live_server(settings) as live, live.client() as client:
+        routes = [client.post("/v1/retrieve", json={"query": "fish", "route": "diffusion"}
+                              ).json()["route"] for _ in range(40)]
+        assert 8 <= routes.count("ar") <= 32, routes  # binomial(40, 0.5): outside is < 1e-4
+        assert fallback_count(client, "error") == routes.count("ar")

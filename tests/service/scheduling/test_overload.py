@@ -8,6 +8,8 @@ no test orders its steps by sleeping.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -75,13 +77,19 @@ def test_deadline_passed_is_504(settings_for, completion_server):
     assert any(s.labels == {"route": "ar", "arm": "ar", "status": "504"} for s in durations)
 
 
-def test_diffusion_that_would_miss_the_deadline_falls_back(settings_for):
-    # a batch window longer than the whole deadline: diffusion cannot make it
-    settings = settings_for(request_timeout_ms=30, max_wait_ms=60)
+def test_a_request_that_would_wait_past_its_budget_gets_429_not_a_fallback(settings_for):
+    # a batch window longer than the whole deadline: the expected wait exceeds any budget
+    settings = settings_for(request_timeout_ms=30, max_wait_ms=60, retry_after_s=0)
     with live_server(settings) as live, live.client() as client:
-        client.post("/v1/retrieve", json={"query": "boat", "route": "diffusion"})
-        samples = metric_samples(client.get("/metrics").text, "r4t_fallbacks_total")
-        assert any(s.labels["reason"] == "deadline" and s.value >= 1 for s in samples)
+        response = client.post("/v1/retrieve", json={"query": "boat", "route": "diffusion"})
+        assert response.status_code == 429
+        error = response.json()["error"]
+        assert error["type"] == "OverloadError" and "expected wait" in error["message"]
+        assert response.headers["Retry-After"] == "1"  # the estimate (60 ms), rounded up
+        text = client.get("/metrics").text
+    assert not metric_samples(text, "r4t_fallbacks_total")  # the slower AR path was not tried
+    depth = metric_samples(text, "r4t_queue_depth")
+    assert [s.value for s in depth if s.labels["route"] == "diffusion"] == [0]
 
 
 def test_requests_of_clients_that_left_are_skipped(settings_for, completion_server):
@@ -124,3 +132,42 @@ def test_admission_gate_sheds_load_before_parsing(settings_for, completion_serve
         refused = next(r for r in responses if r.status_code == 429)
         assert refused.headers["Retry-After"] == "3"
         assert "in flight" in refused.json()["error"]["message"]
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def leave_mid_request(url: str, n: int, body: dict) -> None:
+    """n clients that send a whole request and close their socket before the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    request = (b"POST /v1/retrieve HTTP/1.1\r\nhost: r4t\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+    for _ in range(n):
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request)
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+
+def test_clients_that_leave_mid_request_leak_no_slot_descriptor_or_worker(
+    settings_for, completion_server
+):
+    settings = settings_for(max_batch_size=1, request_timeout_ms=LONG_DEADLINE_MS)
+    with live_server(settings) as live, holding_completions(completion_server) as held:
+        with live.client() as client:
+            assert client.get("/healthz").status_code == 200
+        baseline = open_descriptors()
+        asyncio.run(leave_mid_request(live.url, 20, {"query": "gone", "route": "ar"}))
+        wait_until(lambda: metric(live.url, "r4t_rejected_requests_total",
+                                  reason="ClientGone") == 20, "the service saw all 20 leave")
+        held.release()  # the one batch that reached compute finishes; the rest are skipped
+        wait_until(lambda: metric(live.url, "r4t_queue_depth", route="ar") == 0
+                   and metric(live.url, "r4t_in_flight") == 0, "queue and gate empty")
+        wait_until(lambda: open_descriptors() <= baseline, "every socket closed")
+        with live.client() as client:  # the worker is free: a new request is answered
+            response = client.post("/v1/retrieve", json={"query": "boat", "route": "ar"})
+            assert response.status_code == 200
+        assert held.held == 0

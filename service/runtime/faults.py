@@ -1,0 +1,39 @@
+"""Fault injection for chaos tests: a sampler whose runs fail for a set fraction of batches, so
+that the fallback to the AR path, its counter and its alert can be shown firing on purpose."""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import numpy as np
+
+
+class InjectedFaultError(RuntimeError):
+    """Raised on purpose by a faulty runtime (R4T_FAULT_* settings)."""
+
+
+class FaultySampler:
+    """Wraps a sampler; once armed (after warm-up), each `sample` call (one batch) raises
+    with probability `rate`."""
+
+    def __init__(self, sampler: Any, rate: float, seed: int | None = None) -> None:
+        self._sampler, self.rate = sampler, rate
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()  # warm-up and the batcher may call from two threads
+        self.armed = False
+        self.providers: list[str] = sampler.providers
+        self.config: dict = sampler.config
+
+    def sample(self, query_emb: np.ndarray, seed: int | None = None,
+               noise: np.ndarray | None = None, context: np.ndarray | None = None
+               ) -> np.ndarray:
+        with self._lock:
+            fail = self.armed and self._random.random() < self.rate
+        if fail:
+            raise InjectedFaultError(f"injected fault (R4T_FAULT_DIFFUSION_RATE={self.rate})")
+        return self._sampler.sample(query_emb, seed=seed, noise=noise, context=context)
+
+    def __getattr__(self, name: str) -> Any:  # anything else the path reads (e.g. describe)
+        return getattr(self._sampler, name)
