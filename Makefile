@@ -6,7 +6,8 @@ BUNDLE  ?= models/default
 STAMP   := $(VENV)/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install system-deps bundle eval serve test lint bench scale loadtest overload clean-bundle
+.PHONY: install system-deps bundle eval serve test lint bench scale loadtest overload soak chaos \
+        clean-bundle
 
 install: $(STAMP)
 
@@ -54,9 +55,21 @@ scale: bundle
 loadtest: bundle
 	$(PY) -m loadtest.run --bundle $(BUNDLE) --out loadtest/results
 
-# 4x the sustainable A/B rate, then the sustainable rate again: fast 429s, then recovery.
+# The A/B mix's capacity measured here, then 4x it (open loop), then half of it: fast 429s,
+# no 504s, accepted answers well inside the deadline, recovery (exit 1 when a promise fails).
 overload: bundle
-	$(PY) -m loadtest.run --bundle $(BUNDLE) --scenarios mix@800:400,mix@200:64 --out loadtest/results/overload
+	$(PY) -m loadtest.overload --bundle $(BUNDLE) --out loadtest/results/overload
+
+# The A/B mix at 70% of capacity for SOAK_MINUTES: RSS, fds, threads, queues every 10 s; fails
+# on memory growth past 5% after warm-up or any status but 200/429.
+SOAK_MINUTES ?= 20
+soak: bundle
+	$(PY) -m loadtest.soak --bundle $(BUNDLE) --minutes $(SOAK_MINUTES) --out loadtest/results/soak
+
+# Faults under load, one bounded case each: reload (new, corrupted, partial), SIGTERM,
+# injected sampler faults (+ the alert in promtool), AR endpoint down/slow, leaving clients.
+chaos: bundle
+	$(PY) -m loadtest.chaos --bundle $(BUNDLE) --out loadtest/results/chaos
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -88,10 +88,11 @@ class Settings(BaseSettings):
         5000.0, gt=0, description="Deadline of a request from arrival; past it → 504."
     )
     admit_wait_fraction: float = Field(
-        0.25, gt=0, le=1, description="Admission by expected wait: a request whose path's "
+        0.1, gt=0, le=1, description="Admission by expected wait: a request whose path's "
         "expected queue wait (measured batch time × batches ahead) exceeds this fraction of its "
         "time left gets a 429 at once, with Retry-After from the estimate, instead of a slow "
-        "504.",
+        "504; before parsing, the gate admits what the measured goodput answers within this "
+        "fraction of the deadline.",
     )
     retry_after_s: int = Field(
         1, ge=0, description="Least Retry-After sent with a 429 (the wait estimate may say "

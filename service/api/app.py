@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import secrets
@@ -50,6 +51,7 @@ from service.settings import Settings
 
 log = logging.getLogger("r4t.app")
 T = TypeVar("T")
+GATE_HEADROOM = 1.5  # the gate admits this many times the concurrency answered successfully
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -113,6 +115,15 @@ def install_error_handlers(app: FastAPI, metrics: Metrics, settings: Settings) -
         return error_response(500, "InternalError", "internal error; see the server log")
 
 
+def settle_heap() -> None:
+    """Collect, then freeze what survives (the loaded bundle) out of the cyclic collector's
+    reach: a full collection walks every object of the bundle, hundreds of milliseconds with
+    the event loop stopped, which under load were the service's slowest answers."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
 class ServiceState:
     """What the routes read: the current retriever (swapped atomically) and reload status."""
 
@@ -154,6 +165,7 @@ class ServiceState:
     def publish(self, retriever: Retriever) -> Retriever | None:
         """Swap the served retriever (one assignment on the event loop: atomic)."""
         old, self.retriever = self.retriever, retriever
+        settle_heap()
         providers = sorted({p for ps in retriever.providers.values() for p in ps})
         encoder = retriever.bundle.manifest.get("encoder", {})
         self.metrics.set_bundle(
@@ -233,6 +245,8 @@ class ServiceState:
             await asyncio.sleep(self.settings.request_timeout_ms / 1000.0)
         finally:  # shutting down early still closes it
             await old.close()
+            del old
+            settle_heap()  # what the old bundle held in cycles is collected now
 
     async def do_reload(self, bundle_dir: Path) -> None:
         self.reload = ReloadStatus(state="loading", bundle=str(bundle_dir), started=now_iso())
@@ -326,13 +340,21 @@ def create_app(settings: Settings | None = None, loaders: Loaders | None = None)
     install_error_handlers(app, state.metrics, settings)
     install_routes(app, state)
     app.add_middleware(BodyGuard, max_body_bytes=settings.max_body_bytes)
-    app.add_middleware(
-        AdmissionGate, max_in_flight=settings.max_in_flight,
-        retry_after_s=settings.retry_after_s, prefix="/v1/retrieve",
-        on_reject=state.metrics.rejected.labels(reason="OverloadError").inc,
-    )
     app.add_middleware(RequestContext)
     return app
+
+
+def gated(app: FastAPI) -> AdmissionGate:
+    """The app behind its admission gate, outside every FastAPI layer: what the server runs,
+    so that a refusal under overload costs the event loop as little as it can."""
+    state: ServiceState = app.state.r4t
+    settings = state.settings
+    return AdmissionGate(
+        app, max_in_flight=settings.max_in_flight, retry_after_s=settings.retry_after_s,
+        prefix="/v1/retrieve", on_reject=state.metrics.rejected.labels(reason="OverloadError").inc,
+        headroom=GATE_HEADROOM,
+        floor=2 * settings.max_batch_size,  # enough in flight to fill the batches
+    )
 
 
 def install_routes(app: FastAPI, state: ServiceState) -> None:

@@ -3,8 +3,9 @@
 - RequestContext: takes `X-Request-ID` from the caller (or makes one), exposes it to every
   log line through a context variable, echoes it in the response, and logs one JSON access
   line per request.
-- AdmissionGate: refuses retrieval requests beyond `max_in_flight` with an immediate 429
-  before any body is read or parsed, so shedding load costs next to nothing.
+- AdmissionGate: refuses retrieval requests beyond `max_in_flight`, or far beyond the
+  concurrency the service has been answering, with an immediate 429 before any body is read or
+  parsed, so shedding load costs next to nothing.
 - BodyGuard: reads POST bodies up to `max_body_bytes` (413 beyond, chunked bodies included)
   and refuses bodies that are not UTF-8 (400), before any parsing; then replays the body.
 """
@@ -14,8 +15,10 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -28,6 +31,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 REQUEST_ID_HEADER = b"x-request-id"
 ARRIVAL_KEY = "r4t.arrival"  # time.monotonic() when the request reached the app
 MAX_REQUEST_ID_CHARS = 64
+SERVED_WINDOW_S = 2.0  # long enough to hold many batches, short enough to follow the load
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "r4t_request_id", default=None
 )
@@ -84,33 +88,78 @@ class RequestContext:
             request_id_var.reset(token)
 
 
+class ServedConcurrency:
+    """How many requests were being answered successfully at once, on average, over the last
+    `window_s`: the sum of the durations of the 2xx answers that ended in it, over its length
+    (Little's law). Slow and fast routes count by the time they hold, each in its own right."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._done: deque[tuple[float, float]] = deque()  # (end, duration)
+        self._total = 0.0
+
+    def record(self, end: float, duration: float) -> None:
+        self._done.append((end, duration))
+        self._total += duration
+
+    def value(self, now: float) -> float:
+        while self._done and self._done[0][0] < now - self.window_s:
+            self._total -= self._done.popleft()[1]
+        return max(self._total, 0.0) / self.window_s
+
+
 class AdmissionGate:
-    """At most `max_in_flight` retrieval requests at once; the rest get 429 at once."""
+    """Refuses retrieval requests with an immediate 429, before any body is read or parsed,
+    beyond `max_in_flight` (a hard cap), or beyond `headroom` times the concurrency the service
+    has been answering successfully (`ServedConcurrency`): far past capacity, the excess is shed
+    here at next to no cost, while the per-route batchers refuse precisely, by expected wait,
+    what gets through. It never refuses below `floor` requests in flight."""
 
     def __init__(
         self, app: ASGIApp, max_in_flight: int, retry_after_s: int, prefix: str,
-        on_reject: Callable[[], None],
+        on_reject: Callable[[], None], headroom: float = 0.0, floor: int = 1,
     ) -> None:
         self.app, self.max_in_flight, self.prefix = app, max_in_flight, prefix
         self.retry_after = str(retry_after_s).encode()
+        self.headroom, self.floor = headroom, floor
         self.on_reject = on_reject
         self.in_flight = 0
+        self.served = ServedConcurrency(SERVED_WINDOW_S)
+
+    def limit(self, now: float) -> int:
+        """Requests admitted at once now."""
+        if self.headroom <= 0:
+            return self.max_in_flight
+        adaptive = max(self.floor, math.ceil(self.headroom * self.served.value(now)))
+        return min(self.max_in_flight, adaptive)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope.get("path", "").startswith(self.prefix):
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.max_in_flight:
+        started = time.monotonic()
+        limit = self.limit(started)
+        if self.in_flight >= limit:
             self.on_reject()
             await _refuse(send, 429, "OverloadError",
-                          f"{self.in_flight} requests in flight; retry shortly",
-                          [(b"retry-after", self.retry_after)])
+                          f"{self.in_flight} requests in flight (admitting {limit} now); "
+                          "retry shortly", [(b"retry-after", self.retry_after)])
             return
         self.in_flight += 1
+        status = {"code": 0}
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_status)
         finally:
             self.in_flight -= 1
+            if 200 <= status["code"] < 300:
+                ended = time.monotonic()
+                self.served.record(ended, ended - started)
 
 
 class BodyGuard:

@@ -23,14 +23,16 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from fastapi import FastAPI
 
 from service.api.middleware import current_request_id
 from service.api.protocol import receive_deadline_protocol
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 DEFAULT_BUNDLE = Path("models/default")  # the r4t command's --bundle default
 WATCH_S = 2.0  # manifest poll period while a background build runs
@@ -112,12 +114,14 @@ class DrainingServer(uvicorn.Server):
 def server_for(settings: Settings, app: FastAPI, log_config: dict[str, Any] | None = None
                ) -> DrainingServer:
     """The uvicorn server `r4t serve` runs: the service's limits, drain and receive deadline."""
+    from service.api.app import gated  # the web stack loads only when serving
+
     state = app.state.r4t
     protocol = receive_deadline_protocol(
         settings.receive_timeout_s, state.metrics.rejected.labels(reason="ReceiveTimeout").inc
     )
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=log_config, http=protocol,
+        gated(app), host=settings.host, port=settings.port, log_config=log_config, http=protocol,
         access_log=False, proxy_headers=False, server_header=False, timeout_keep_alive=30,
         limit_concurrency=settings.max_connections,
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]

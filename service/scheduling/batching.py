@@ -84,10 +84,10 @@ class Batcher(Generic[P, R]):
         return self._queue.maxsize - self._queue.qsize()
 
     def expected_wait_s(self) -> float:
-        """Time until a request submitted now is answered: the batches queued ahead of it, the
-        one in compute and its own, each at the measured batch time (an EWMA, so it follows
-        batches as they grow with the load)."""
-        batches_ahead = self._queue.qsize() // self.max_batch_size + 1 + int(self._busy)
+        """Time a request submitted now waits before its batch starts: the full batches queued
+        ahead of it and the one in compute, each at the measured batch time (an EWMA, so it
+        follows batches as they grow with the load). An idle path has none."""
+        batches_ahead = self._queue.qsize() // self.max_batch_size + int(self._busy)
         return self.batch_s_estimate * batches_ahead + self.max_wait_s
 
     def admit(self, deadline: float) -> None:

@@ -265,19 +265,20 @@ def test_admission_refuses_what_would_wait_past_its_budget():
     work = Working(0.3)
 
     async def scenario():
-        # budget = half the time left (0.5 s): one batch (>= 0.3 s) fits, two do not
+        # budget = a fifth of the time left (0.2 s): an idle path admits, waiting for a batch
+        # in compute (>= 0.3 s) does not fit
         batcher = Batcher("t", work, max_batch_size=1, max_wait_ms=0, queue_size=16,
-                          admit_wait_fraction=0.5)
+                          admit_wait_fraction=0.2)
         batcher.start()
         try:
             await batcher.submit(1, time.monotonic() + 1.0)  # measures the batch time
             assert batcher.batch_s_estimate >= work.work_s
             work.entered.clear()
-            first = asyncio.ensure_future(batcher.submit(2, time.monotonic() + 1.0))  # fits
+            first = asyncio.ensure_future(batcher.submit(2, time.monotonic() + 1.0))  # idle
             await wait_for(work.entered)
-            with pytest.raises(OverloadError) as refused:  # the batch in compute + its own
+            with pytest.raises(OverloadError) as refused:  # behind the batch in compute
                 await batcher.submit(3, time.monotonic() + 1.0)
-            assert refused.value.retry_after_s >= 2 * work.work_s
+            assert refused.value.retry_after_s >= work.work_s
             assert "expected wait" in str(refused.value)
             assert (await first).result == 4
             assert batcher.depth == 0  # the refused request never took a queue slot

@@ -1,0 +1,435 @@
+"""`make chaos`: faults under load, each a bounded scenario against its own `r4t serve`, with
+its figures in one JSON report (chaos.json, chaos.md). Exits 1 when a case fails.
+
+- reload: a new bundle swapped in under load (zero failed requests, the swap visible in
+  /v1/info and r4t_bundle_info); a corrupted and a partial copy refused under load;
+- sigterm: /readyz turns 503 first, requests in flight finish, the listener closes, exit 0;
+- diffusion_faults: the sampler fails a share of batches (R4T_FAULT_DIFFUSION_RATE); those
+  requests are answered by AR with the reason set, and the fallback alert fires in
+  `promtool test rules` at the rates measured;
+- ar_backend: the OpenAI-compatible endpoint of the AR path down, then slow, then back: bounded
+  latency, a clear 503, recovery;
+- clients: clients that leave mid-request and clients that trickle their headers: no worker
+  stuck, no descriptor or queue slot leaked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.openloop import TRANSPORT_ERROR, Load, scenario_body, summarize
+from loadtest.run import HOST, start_server, wait_ready
+from service.artifacts.bundle import MANIFEST, read_manifest, write_manifest
+
+ADMIN_TOKEN = "chaos"
+ALERTS = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "alerts.yml"
+RATE = 40.0  # req/s of background load: well under capacity, so failures are the fault's
+Case = Callable[["Chaos"], dict[str, Any]]
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def statuses(shots: list) -> dict[str, int]:
+    return summarize(shots, 1.0, 0.0)["counts_by_status"]
+
+
+class Chaos:
+    """Shared by the cases: the bundle, a port per server, the output folder."""
+
+    def __init__(self, bundle: Path, out: Path, port: int) -> None:
+        self.bundle, self.out, self.port = bundle.resolve(), out, port
+
+    @contextmanager
+    def server(self, name: str, **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
+        self.port += 1
+        process = start_server(self.bundle, self.port, self.out / f"{name}.log",
+                               R4T_ADMIN_TOKEN=ADMIN_TOKEN, **env)
+        try:
+            wait_ready(self.port)
+            yield f"http://{HOST}:{self.port}", process
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=60)
+
+    def copy(self, name: str, real: tuple[str, ...] = ()) -> Path:
+        """A copy of the bundle beside it (hard links, except the manifest and the files in
+        `real`, copied for real), its manifest stamped now: a new version of the same bundle."""
+        target = self.bundle.parent / f".chaos-{name}"
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(self.bundle, target, copy_function=os.link)
+        for relative in (MANIFEST, *real):
+            (target / relative).unlink()
+            shutil.copyfile(self.bundle / relative, target / relative)
+        time.sleep(1.0)  # the manifest's stamp has a resolution of a second
+        write_manifest(target, read_manifest(target))
+        return target
+
+    def clean(self) -> None:
+        for copy in self.bundle.parent.glob(".chaos-*"):
+            shutil.rmtree(copy, ignore_errors=True)
+
+
+def reload(url: str, bundle: Path) -> httpx.Response:
+    return httpx.post(f"{url}/admin/reload", json={"bundle": str(bundle), "wait": True},
+                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=300.0)
+
+
+def served_version(url: str) -> str:
+    return httpx.get(f"{url}/v1/info", timeout=10.0).json()["served"]["bundle"]["version"]
+
+
+def case_reload(chaos: Chaos) -> dict[str, Any]:
+    corrupt = chaos.copy("corrupt", real=("diffusion/sampler.onnx",))
+    with (corrupt / "diffusion" / "sampler.onnx").open("r+b") as handle:
+        handle.seek(1000)
+        byte = handle.read(1)
+        handle.seek(1000)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    partial = chaos.copy("partial")
+    (partial / "index.faiss").unlink()
+    fresh = chaos.copy("next")
+    with chaos.server("reload") as (url, _):
+        before = served_version(url)
+        load = Load(url, RATE, 3600.0, scenario_body("mix"), seed=21).start()
+        time.sleep(3.0)  # load reaches steady state
+        refused = {name: reload(url, path) for name, path in
+                   (("corrupt", corrupt), ("partial", partial))}
+        kept = served_version(url)
+        swapped = reload(url, fresh)
+        after = served_version(url)
+        info_metric = metric(url, "r4t_bundle_info", version=after)
+        time.sleep(3.0)  # and goes on, served by the new bundle
+        load.stop()
+        shots = load.join()
+    counts = statuses(shots)
+    result = {
+        "requests_by_status": counts, "version_before": before, "version_after": after,
+        "refused": {n: {"status": r.status_code, "error": r.json().get("error", {}).get(
+            "message", "")[:160]} for n, r in refused.items()},
+        "kept_serving_after_refusals": kept == before, "swap_status": swapped.status_code,
+        "bundle_info_metric": info_metric,
+    }
+    result["passed"] = (set(counts) == {"200"} and kept == before
+                        and all(r.status_code == 422 for r in refused.values())
+                        and swapped.status_code == 200 and after != before
+                        and info_metric == 1.0)
+    return result
+
+
+def first_time(predicate: Callable[[], bool], started: float, until: float) -> float | None:
+    """Seconds from `started` at which `predicate` first held (polled every 20 ms)."""
+    while time.monotonic() < until:
+        if predicate():
+            return time.monotonic() - started
+        time.sleep(0.02)
+    return None
+
+
+def refuses(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/healthz", timeout=2.0)
+    except httpx.ConnectError:
+        return True
+    except httpx.HTTPError:
+        return False
+    return False
+
+
+def not_ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2.0).status_code == 503
+    except httpx.HTTPError:
+        return True
+
+
+def case_sigterm(chaos: Chaos) -> dict[str, Any]:
+    drain_s, grace_s = 3.0, 10.0
+    env = {"R4T_DRAIN_S": str(drain_s), "R4T_SHUTDOWN_GRACE_S": str(grace_s)}
+    with chaos.server("sigterm", **env) as (url, process):
+        load = Load(url, RATE, 3600.0, scenario_body("mix"), seed=22).start()
+        time.sleep(5.0)  # load reaches steady state
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        until = sent + drain_s + grace_s + 30
+        readyz_503_s = first_time(lambda: not_ready(url), sent, until)
+        closed_s = first_time(lambda: refuses(url), sent, until)
+        try:
+            code = process.wait(timeout=max(until - time.monotonic(), 1.0))
+        except subprocess.TimeoutExpired:
+            code = None
+        exited_s = time.monotonic() - sent
+        load.stop()
+        shots = load.join()
+    signal_at = sent - load.started
+    closed_at = signal_at + (closed_s if closed_s is not None else exited_s)
+    before_close = [s for s in shots if s.due < closed_at - 0.1]
+    after_close = [s for s in shots if s.due > closed_at]
+    result = {
+        "drain_s": drain_s, "grace_s": grace_s, "readyz_503_after_s": readyz_503_s,
+        "listener_closed_after_s": closed_s, "exit_code": code, "exited_after_s": exited_s,
+        "due_before_close": statuses(before_close), "due_after_close": statuses(after_close),
+    }
+    result["passed"] = (code == 0 and readyz_503_s is not None and closed_s is not None
+                        and readyz_503_s < closed_s and exited_s <= drain_s + grace_s + 5
+                        and set(statuses(before_close)) == {"200"}
+                        and set(statuses(after_close)) <= {str(TRANSPORT_ERROR)})
+    return result
+
+
+def promtool_alert(fallbacks_per_min: float, diffusion_per_min: float, folder: Path
+                   ) -> dict[str, Any]:
+    """Run the fallback alert rule on series growing at the measured per-minute rates."""
+    test = folder / "fallback_alert_test.yml"
+    rules = yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
+    rule = next(r for r in rules if r.get("alert") == "R4THighFallbackRate")
+    test.write_text(json.dumps({
+        "rule_files": [str(ALERTS)], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": [
+            {"series": 'r4t_fallbacks_total{reason="error"}',
+             "values": f"0+{fallbacks_per_min:.1f}x30"},
+            {"series": 'r4t_request_duration_seconds_count{route="diffusion",arm="diffusion",'
+                       'status="200"}', "values": f"0+{diffusion_per_min:.1f}x30"}],
+            "alert_rule_test": [{"eval_time": "25m", "alertname": "R4THighFallbackRate",
+                                 "exp_alerts": [{"exp_labels": rule["labels"],
+                                                 "exp_annotations": rule["annotations"]}]}]}],
+    }, indent=2))  # JSON is YAML
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        return {"ran": False, "passed": False, "output": "promtool not installed"}
+    done = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True)
+    return {"ran": True, "passed": done.returncode == 0,
+            "output": (done.stdout + done.stderr).strip()[-400:]}
+
+
+def case_diffusion_faults(chaos: Chaos) -> dict[str, Any]:
+    rate, seconds = 0.3, 20.0
+    env = {"R4T_FAULT_DIFFUSION_RATE": str(rate), "R4T_ROUTES": "diffusion=1"}
+    with chaos.server("faults", **env) as (url, _):
+        before_f = metric(url, "r4t_fallbacks_total", reason="error")
+        before_d = metric(url, "r4t_request_duration_seconds_count", route="diffusion")
+        shots = Load(url, RATE, seconds, scenario_body("mix"), seed=23).run()
+        fallbacks = metric(url, "r4t_fallbacks_total", reason="error") - before_f
+        diffusion = metric(url, "r4t_request_duration_seconds_count", route="diffusion") - before_d
+    by_route: dict[str, int] = {}
+    for shot in shots:
+        by_route[str(shot.route)] = by_route.get(str(shot.route), 0) + 1
+    share = fallbacks / max(fallbacks + diffusion, 1.0)
+    alert = promtool_alert(60 * fallbacks / seconds, 60 * diffusion / seconds, chaos.out)
+    result = {"fault_rate": rate, "requests_by_status": statuses(shots),
+              "answered_by_route": by_route, "fallbacks_error": fallbacks,
+              "fallback_share": round(share, 3), "alert": alert}
+    result["passed"] = (set(statuses(shots)) == {"200"} and by_route.get("ar", 0) == fallbacks
+                        and abs(share - rate) < 0.15 and alert["passed"])
+    return result
+
+
+class Completions(BaseHTTPRequestHandler):
+    """A stand-in OpenAI-compatible endpoint: each prompt's query, numbered, as its fan-out;
+    `delay_s` makes it slow."""
+
+    delay_s = 0.0
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        time.sleep(type(self).delay_s)
+        prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        choices = [{"index": i, "text": "\n".join(
+            f"{p.split(chr(10), 1)[0].removeprefix('query: ')} {n}" for n in range(1, 11))}
+            for i, p in enumerate(prompts)]
+        payload = json.dumps({"choices": choices}).encode()
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except OSError:  # the service gave up waiting (its timeout)
+            pass
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def completions(port: int) -> Iterator[ThreadingHTTPServer]:
+    server = ThreadingHTTPServer((HOST, port), Completions)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def ar_phase(url: str, seconds: float, seed: int) -> dict[str, Any]:
+    shots = Load(url, 10.0, seconds, scenario_body("ar"), seed=seed, timeout_s=30.0).run()
+    summary = summarize(shots, seconds, 10.0)
+    return {k: summary[k] for k in ("counts_by_status", "latency_ms_by_status")}
+
+
+def case_ar_backend(chaos: Chaos) -> dict[str, Any]:
+    port, timeout_s, retries = free_port(), 1.0, 1
+    env = {"R4T_AR_BACKEND": "openai", "R4T_OPENAI_BASE_URL": f"http://{HOST}:{port}/v1",
+           "R4T_OPENAI_TIMEOUT_S": str(timeout_s), "R4T_OPENAI_RETRIES": str(retries),
+           "R4T_ROUTES": "ar=1"}
+    # its own batch's attempts and those of the batch ahead of it, plus backoff
+    bound_ms = 1000 * (2 * (retries + 1) * timeout_s + 1.0)
+    phases: dict[str, Any] = {}
+    with completions(port) as endpoint, chaos.server("ar", **env) as (url, _):
+        phases["up"] = ar_phase(url, 10.0, 31)
+        endpoint.shutdown()
+        endpoint.server_close()
+        phases["down"] = ar_phase(url, 10.0, 32)
+        with completions(port):
+            Completions.delay_s = 3 * timeout_s
+            phases["slow"] = ar_phase(url, 10.0, 33)
+            Completions.delay_s = 0.0
+            phases["back"] = ar_phase(url, 10.0, 34)
+        error = httpx.post(f"{url}/v1/retrieve", json={"query": "boat"}, timeout=30.0)
+    failing = [phases["down"], phases["slow"]]
+    result = {"timeout_s": timeout_s, "retries": retries, "latency_bound_ms": bound_ms,
+              "phases": phases, "error_after_endpoint_gone": error.status_code}
+    result["passed"] = (
+        set(phases["up"]["counts_by_status"]) == {"200"}
+        and set(phases["back"]["counts_by_status"]) == {"200"}
+        and all(set(p["counts_by_status"]) <= {"503", "429"} for p in failing)
+        and all(p["latency_ms_by_status"].get("503", {"99": 0})["99"] <= bound_ms
+                for p in failing))
+    return result
+
+
+def leave_mid_request(url: str, n: int) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps({"query": "gone", "route": "diffusion"}).encode()
+    request = (b"POST /v1/retrieve HTTP/1.1\r\nhost: r4t\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+    for _ in range(n):
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(request)  # and close at once
+
+
+def case_clients(chaos: Chaos) -> dict[str, Any]:
+    receive_timeout_s, slow, gone = 2.0, 20, 100
+    with chaos.server("clients", R4T_RECEIVE_TIMEOUT_S=str(receive_timeout_s)) as (url, proc):
+        server = psutil.Process(proc.pid)
+        time.sleep(1.0)
+        baseline = server.num_fds()
+        load = Load(url, RATE, 3600.0, scenario_body("mix"), seed=41).start()
+        host, port = url.removeprefix("http://").split(":")
+        trickling = [socket.create_connection((host, int(port))) for _ in range(slow)]
+        for sock in trickling:
+            sock.sendall(b"POST /v1/retrieve HTTP/1.1\r\nhost: r4t\r\ncontent-")
+        leave_mid_request(url, gone)
+        started = time.monotonic()
+        closed = []
+        for sock in trickling:  # the server answers 408 and closes each
+            sock.settimeout(receive_timeout_s * 5)
+            answer = b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+            closed.append((time.monotonic() - started, answer.split(b"\r\n", 1)[0].decode()))
+            sock.close()
+        load.stop()
+        shots = load.join()
+        time.sleep(1.0)
+        result = {
+            "slow_clients": slow, "slow_closed_after_s": round(max(t for t, _ in closed), 2),
+            "slow_answers": sorted({a for _, a in closed}),
+            "left_mid_request": gone,
+            "client_gone_counted": metric(url, "r4t_rejected_requests_total",
+                                          reason="ClientGone"),
+            "receive_timeouts_counted": metric(url, "r4t_rejected_requests_total",
+                                               reason="ReceiveTimeout"),
+            "fds_before": baseline, "fds_after": server.num_fds(),
+            "in_flight_after": metric(url, "r4t_in_flight"),
+            "queue_depth_after": metric(url, "r4t_queue_depth"),
+            "requests_by_status": statuses(shots),
+            "answered_after": httpx.post(f"{url}/v1/retrieve", json={"query": "boat"},
+                                         timeout=30.0).status_code,
+        }
+    result["passed"] = (set(result["requests_by_status"]) == {"200"}
+                        and result["slow_answers"] == ["HTTP/1.1 408 Request Timeout"]
+                        and result["receive_timeouts_counted"] == slow
+                        and result["fds_after"] <= result["fds_before"]
+                        and result["in_flight_after"] == 0 and result["queue_depth_after"] == 0
+                        and result["answered_after"] == 200)
+    return result
+
+
+CASES: dict[str, Case] = {"reload": case_reload, "sigterm": case_sigterm,
+                          "diffusion_faults": case_diffusion_faults,
+                          "ar_backend": case_ar_backend, "clients": case_clients}
+
+
+def markdown(report: dict[str, dict[str, Any]]) -> str:
+    lines = ["| case | passed | figures |", "|---|---|---|"]
+    for name, result in report.items():
+        figures = {k: v for k, v in result.items() if k != "passed"}
+        lines.append(f"| {name} | {'yes' if result['passed'] else 'NO'} | "
+                     f"`{json.dumps(figures)[:900]}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--port", type=int, default=8770, help="first port; one per case")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma list")
+    parser.add_argument("--out", type=Path, default=Path("loadtest/results/chaos"))
+    args = parser.parse_args()
+    unknown = set(args.cases.split(",")) - set(CASES)
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; choose from {sorted(CASES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    chaos = Chaos(args.bundle, args.out, args.port)
+    report: dict[str, dict[str, Any]] = {}
+    try:
+        for name in args.cases.split(","):
+            print(f"chaos: {name} ...", flush=True)
+            report[name] = CASES[name](chaos)
+            print(f"chaos: {name} {'passed' if report[name]['passed'] else 'FAILED'}",
+                  flush=True)
+    finally:
+        chaos.clean()
+    chaos.clean()
+    (args.out / "chaos.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "chaos.md").write_text(markdown(report))
+    print(markdown(report))
+    sys.exit(0 if all(r["passed"] for r in report.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""`make overload`: measure the A/B mix's capacity on this machine, offer 4x that (open loop),
+then half of it again, and check the promises: refusals are fast 429s, not slow 504s; what is
+accepted is answered well inside its deadline; no 5xx; recovery is immediate.
+
+Writes overload.json and overload.md; exits 1 when a promise does not hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from loadtest.openloop import Load, scenario_body, summarize
+from loadtest.run import HOST, start_server, wait_ready
+from service.settings import Settings
+
+PROBE_RPS = 600.0  # offered while measuring capacity: well past it on 2 cores
+LIMITS = {"max_504_share": 0.01, "max_429_p99_ms": 50.0, "max_accepted_p99_share": 0.5}
+
+
+def phase(url: str, rate: float, seconds: float, seed: int) -> dict[str, Any]:
+    shots = Load(url, rate, seconds, scenario_body("mix"), seed=seed).run()
+    return summarize(shots, seconds, rate)
+
+
+def checks(over: dict[str, Any], recovery: dict[str, Any], deadline_ms: float
+           ) -> dict[str, dict[str, Any]]:
+    """Each promise: the measured value, its limit, and whether it holds."""
+    lat = over["latency_ms_by_status"]
+    share = over["share_by_status"]
+    five_xx = sum(n for s, n in over["counts_by_status"].items()
+                  if s.startswith("5") and s != "504")
+    results = {
+        "504_share": (share.get("504", 0.0), LIMITS["max_504_share"], "<="),
+        "429_p99_ms": (lat.get("429", {}).get("99", 0.0), LIMITS["max_429_p99_ms"], "<="),
+        "accepted_p99_ms": (lat.get("200", {}).get("99", float("inf")),
+                            LIMITS["max_accepted_p99_share"] * deadline_ms, "<="),
+        "other_5xx": (five_xx, 0, "<="),
+        "transport_errors": (over["counts_by_status"].get("0", 0), 0, "<="),
+        "recovery_non_200": (recovery["requests"] - recovery["counts_by_status"].get("200", 0),
+                             0, "<="),
+    }
+    return {name: {"value": value, "limit": limit, "holds": bool(value <= limit)}
+            for name, (value, limit, _) in results.items()}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"Capacity (A/B mix, 200s/s at {report['probe']['offered_rps']:.0f} offered): "
+             f"**{report['capacity_rps']:.1f} req/s**; deadline {report['deadline_ms']:.0f} ms.",
+             "", "| phase | offered req/s | requests | served req/s | by status | "
+             "p50 / p99 ms by status |", "|---|---:|---:|---:|---|---|"]
+    for name in ("probe", "overload", "recovery"):
+        p = report[name]
+        counts = ", ".join(f"{s}: {n}" for s, n in p["counts_by_status"].items())
+        lat = "; ".join(f"{s}: {v['50']:.0f} / {v['99']:.0f}"
+                        for s, v in p["latency_ms_by_status"].items())
+        lines.append(f"| {name} | {p['offered_rps']:.0f} | {p['requests']} | "
+                     f"{p['served_rps']:.1f} | {counts} | {lat} |")
+    lines += ["", "| promise | measured | limit | holds |", "|---|---:|---:|---|"]
+    for name, c in report["checks"].items():
+        lines.append(f"| {name} | {c['value']} | {c['limit']} | {'yes' if c['holds'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--port", type=int, default=8766)
+    parser.add_argument("--factor", type=float, default=4.0, help="overload, x capacity")
+    parser.add_argument("--seconds", type=float, default=30.0, help="per phase")
+    parser.add_argument("--out", type=Path, default=Path("loadtest/results/overload"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline_ms = Settings().request_timeout_ms
+    url = f"http://{HOST}:{args.port}"
+    server = start_server(args.bundle, args.port, args.out / "server.log")
+    try:
+        wait_ready(args.port)
+        probe = phase(url, PROBE_RPS, args.seconds / 2, seed=1)
+        capacity = max(probe["served_rps"], 1.0)
+        over = phase(url, args.factor * capacity, args.seconds, seed=2)
+        recovery = phase(url, capacity / 2, args.seconds / 2, seed=3)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    report = {"capacity_rps": capacity, "factor": args.factor, "deadline_ms": deadline_ms,
+              "probe": probe, "overload": over, "recovery": recovery,
+              "checks": checks(over, recovery, deadline_ms), "server_exit_code": server.returncode}
+    (args.out / "overload.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "overload.md").write_text(markdown(report))
+    print(markdown(report))
+    sys.exit(0 if all(c["holds"] for c in report["checks"].values()) else 1)
+
+
+if __name__ == "__main__":
+    main()
