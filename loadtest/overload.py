@@ -17,13 +17,30 @@ from loadtest.openloop import Load, scenario_body, summarize
 from loadtest.run import HOST, start_server, wait_ready
 from service.settings import Settings
 
-PROBE_RPS = 600.0  # offered while measuring capacity: well past it on 2 cores
+RAMP_START_RPS, RAMP_STEP, RAMP_SECONDS = 60.0, 1.5, 8.0
 LIMITS = {"max_504_share": 0.01, "max_429_p99_ms": 50.0, "max_accepted_p99_share": 0.5}
 
 
 def phase(url: str, rate: float, seconds: float, seed: int) -> dict[str, Any]:
     shots = Load(url, rate, seconds, scenario_body("mix"), seed=seed).run()
     return summarize(shots, seconds, rate)
+
+
+def capacity(url: str) -> dict[str, Any]:
+    """The most the mix is served per second: offered load grows by RAMP_STEP until the
+    service refuses more than 1% or serves under 90% of it; the best served rate is taken."""
+    steps = []
+    rate = RAMP_START_RPS
+    while True:
+        step = phase(url, rate, RAMP_SECONDS, seed=len(steps) + 100)
+        steps.append(step)
+        refused = 1.0 - step["share_by_status"].get("200", 0.0)
+        if refused > 0.01 or step["served_rps"] < 0.9 * rate:
+            break
+        rate *= RAMP_STEP
+    best = max(s["served_rps"] for s in steps)
+    return {"capacity_rps": best, "offered_rps": [s["offered_rps"] for s in steps],
+            "served_rps": [s["served_rps"] for s in steps], "steps": steps}
 
 
 def checks(over: dict[str, Any], recovery: dict[str, Any], deadline_ms: float
@@ -48,12 +65,17 @@ def checks(over: dict[str, Any], recovery: dict[str, Any], deadline_ms: float
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"Capacity (A/B mix, 200s/s at {report['probe']['offered_rps']:.0f} offered): "
-             f"**{report['capacity_rps']:.1f} req/s**; deadline {report['deadline_ms']:.0f} ms.",
+    ramp = report["ramp"]
+    lines = [f"Capacity of the A/B mix, the best served rate of a ramp "
+             f"(offered {', '.join(f'{r:.0f}' for r in ramp['offered_rps'])} req/s → served "
+             f"{', '.join(f'{r:.0f}' for r in ramp['served_rps'])}): "
+             f"**{report['capacity_rps']:.1f} req/s**; deadline {report['deadline_ms']:.0f} ms; "
+             f"overload at {report['factor']:.0f}x.",
              "", "| phase | offered req/s | requests | served req/s | by status | "
              "p50 / p99 ms by status |", "|---|---:|---:|---:|---|---|"]
-    for name in ("probe", "overload", "recovery"):
-        p = report[name]
+    phases = [(f"ramp {i + 1}", s) for i, s in enumerate(ramp["steps"])]
+    for name, p in [*phases, ("overload", report["overload"]), ("recovery",
+                                                                report["recovery"])]:
         counts = ", ".join(f"{s}: {n}" for s, n in p["counts_by_status"].items())
         lat = "; ".join(f"{s}: {v['50']:.0f} / {v['99']:.0f}"
                         for s, v in p["latency_ms_by_status"].items())
@@ -80,15 +102,15 @@ def main() -> None:
     server = start_server(args.bundle, args.port, args.out / "server.log")
     try:
         wait_ready(args.port)
-        probe = phase(url, PROBE_RPS, args.seconds / 2, seed=1)
-        capacity = max(probe["served_rps"], 1.0)
-        over = phase(url, args.factor * capacity, args.seconds, seed=2)
-        recovery = phase(url, capacity / 2, args.seconds / 2, seed=3)
+        probe = capacity(url)
+        best = max(probe["capacity_rps"], 1.0)
+        over = phase(url, args.factor * best, args.seconds, seed=2)
+        recovery = phase(url, best / 2, args.seconds / 2, seed=3)
     finally:
         server.terminate()
         server.wait(timeout=60)
-    report = {"capacity_rps": capacity, "factor": args.factor, "deadline_ms": deadline_ms,
-              "probe": probe, "overload": over, "recovery": recovery,
+    report = {"capacity_rps": best, "factor": args.factor, "deadline_ms": deadline_ms,
+              "ramp": probe, "overload": over, "recovery": recovery,
               "checks": checks(over, recovery, deadline_ms), "server_exit_code": server.returncode}
     (args.out / "overload.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "overload.md").write_text(markdown(report))

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.figure import figure
 from loadtest.openloop import Load, scenario_body, summarize
-from loadtest.overload import PROBE_RPS
+from loadtest.overload import capacity
 from loadtest.run import HOST, start_server, wait_ready
 
 LOAD_SHARE = 0.7
@@ -116,15 +116,14 @@ def main() -> None:
     server = start_server(args.bundle, args.port, args.out / "server.log")
     try:
         wait_ready(args.port)
-        probe = Load(url, PROBE_RPS, 15.0, scenario_body("mix"), seed=10).run()
-        capacity = max(summarize(probe, 15.0, PROBE_RPS)["served_rps"], 1.0)
+        best = max(capacity(url)["capacity_rps"], 1.0)
         seconds = args.minutes * 60
-        result = soak(url, server.pid, LOAD_SHARE * capacity, seconds, args.every)
+        result = soak(url, server.pid, LOAD_SHARE * best, seconds, args.every)
     finally:
         server.terminate()
         server.wait(timeout=60)
-    report = {"minutes": args.minutes, "capacity_rps": capacity,
-              "rate_rps": round(LOAD_SHARE * capacity, 1), **result,
+    report = {"minutes": args.minutes, "capacity_rps": best,
+              "rate_rps": round(LOAD_SHARE * best, 1), **result,
               "verdict": verdict(result["samples"], result["summary"], seconds)}
     (args.out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "soak.md").write_text(markdown(report))

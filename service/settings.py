@@ -51,6 +51,11 @@ class Settings(BaseSettings):
     )
     threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads (0 = its default).")
     faiss_threads: int = Field(1, ge=1, description="OpenMP threads FAISS may use per search.")
+    compute_nice: int = Field(
+        10, ge=0, le=19, description="Scheduling priority lowered this much for the compute "
+        "threads (batchers, ONNX Runtime and FAISS pools), so the event loop that admits, "
+        "refuses and answers runs first on busy cores; 0 = same priority.",
+    )
     index: str = Field(
         "HNSW32/efSearch=64", description="The index the paths search: a FAISS index_factory "
         "string built at load over the bundle's embeddings, with search parameters after a "

@@ -17,6 +17,7 @@ import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,6 +47,7 @@ from service.api.schemas import (
 from service.artifacts.bundle import MANIFEST, now_iso, read_build_status
 from service.errors import InputError, OverloadError, R4TError, UnavailableError
 from service.metrics import Metrics
+from service.scheduling.batching import yield_to_the_loop
 from service.scheduling.retriever import Loaders, Retriever
 from service.settings import Settings
 
@@ -151,9 +153,11 @@ class ServiceState:
         return self.retriever
 
     async def load(self, bundle_dir: Path, strict: bool) -> Retriever:
-        retriever = await asyncio.to_thread(
-            Retriever.load, self.settings, self.metrics, bundle_dir, self.loaders
-        )
+        with ThreadPoolExecutor(1, initializer=yield_to_the_loop,  # sessions' pools inherit it
+                                initargs=(self.settings.compute_nice,)) as loader:
+            retriever = await asyncio.get_running_loop().run_in_executor(
+                loader, Retriever.load, self.settings, self.metrics, bundle_dir, self.loaders
+            )
         retriever.start()
         try:
             await retriever.warm_up(strict=strict)
@@ -353,7 +357,7 @@ def gated(app: FastAPI) -> AdmissionGate:
         app, max_in_flight=settings.max_in_flight, retry_after_s=settings.retry_after_s,
         prefix="/v1/retrieve", on_reject=state.metrics.rejected.labels(reason="OverloadError").inc,
         headroom=GATE_HEADROOM,
-        floor=2 * settings.max_batch_size,  # enough in flight to fill the batches
+        floor=settings.queue_size // 2,  # bursts this large always reach the batchers
     )
 
 

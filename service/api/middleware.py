@@ -113,7 +113,8 @@ class AdmissionGate:
     beyond `max_in_flight` (a hard cap), or beyond `headroom` times the concurrency the service
     has been answering successfully (`ServedConcurrency`): far past capacity, the excess is shed
     here at next to no cost, while the per-route batchers refuse precisely, by expected wait,
-    what gets through. It never refuses below `floor` requests in flight."""
+    what gets through. It never refuses below `floor` requests in flight, nor by concurrency
+    when nothing was answered in the window (a burst after a quiet spell)."""
 
     def __init__(
         self, app: ASGIApp, max_in_flight: int, retry_after_s: int, prefix: str,
@@ -128,9 +129,10 @@ class AdmissionGate:
 
     def limit(self, now: float) -> int:
         """Requests admitted at once now."""
-        if self.headroom <= 0:
+        served = self.served.value(now)
+        if self.headroom <= 0 or served == 0:  # nothing answered lately: nothing to go by
             return self.max_in_flight
-        adaptive = max(self.floor, math.ceil(self.headroom * self.served.value(now)))
+        adaptive = max(self.floor, math.ceil(self.headroom * served))
         return min(self.max_in_flight, adaptive)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

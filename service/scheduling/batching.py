@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +57,7 @@ class Batcher(Generic[P, R]):
         max_wait_ms: float,
         queue_size: int,
         admit_wait_fraction: float = 1.0,
+        nice: int = 0,
         metrics: Metrics | None = None,
     ) -> None:
         self.name = name
@@ -65,12 +68,14 @@ class Batcher(Generic[P, R]):
         self._queue: asyncio.Queue[Job[P]] = asyncio.Queue(maxsize=queue_size)
         self._arrived = asyncio.Event()
         self._metrics = metrics
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"r4t-{name}")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"r4t-{name}",
+                                            initializer=yield_to_the_loop, initargs=(nice,))
         self._task: asyncio.Task | None = None
         self._busy = False
         self._current: list[Job[P]] = []  # the batch being collected or computed
         self._closed = False
         self.batch_s_estimate = 0.0  # EWMA of a batch's compute time
+        self.item_s_estimate = 0.0  # EWMA of a batch's compute time per request in it
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -84,11 +89,13 @@ class Batcher(Generic[P, R]):
         return self._queue.maxsize - self._queue.qsize()
 
     def expected_wait_s(self) -> float:
-        """Time a request submitted now waits before its batch starts: the full batches queued
-        ahead of it and the one in compute, each at the measured batch time (an EWMA, so it
-        follows batches as they grow with the load). An idle path has none."""
-        batches_ahead = self._queue.qsize() // self.max_batch_size + int(self._busy)
-        return self.batch_s_estimate * batches_ahead + self.max_wait_s
+        """Time a request submitted now waits before its batch starts: the batch in compute at
+        the measured batch time, and the requests queued ahead at the measured compute time per
+        request (both EWMAs, so they follow batches as they grow with the load; per request,
+        because a path whose batches cost in proportion to their size, as AR decoding does,
+        would otherwise admit a batch it cannot finish in time). An idle path has none."""
+        queued = self._queue.qsize() * self.item_s_estimate
+        return queued + self.batch_s_estimate * int(self._busy) + self.max_wait_s
 
     def admit(self, deadline: float) -> None:
         """Refuse (OverloadError) a request that would wait longer than its share of the time
@@ -209,9 +216,8 @@ class Batcher(Generic[P, R]):
             return
         finally:
             elapsed = time.monotonic() - started
-            if self.batch_s_estimate == 0.0:
-                self.batch_s_estimate = elapsed
-            self.batch_s_estimate += EWMA_ALPHA * (elapsed - self.batch_s_estimate)
+            self.batch_s_estimate = ewma(self.batch_s_estimate, elapsed)
+            self.item_s_estimate = ewma(self.item_s_estimate, elapsed / len(jobs))
         if self._metrics is not None:
             self._metrics.batch_size.labels(route=self.name).observe(len(jobs))
         for job, result in zip(jobs, results, strict=True):
@@ -227,10 +233,25 @@ class Batcher(Generic[P, R]):
             self._metrics.skipped.labels(route=self.name, reason=reason).inc()
 
 
+def yield_to_the_loop(nice: int) -> None:
+    """Lower the calling thread's scheduling priority by `nice` (Linux: per thread; threads it
+    starts, such as OpenMP's and ONNX Runtime's pools, inherit it), so that the event loop,
+    which admits, refuses and answers, is scheduled first when the cores are busy computing."""
+    if nice > 0:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+def ewma(estimate: float, value: float) -> float:
+    """The next estimate; the first value is taken as it is."""
+    return value if estimate == 0.0 else estimate + EWMA_ALPHA * (value - estimate)
+
+
 def describe(batcher: Batcher[Any, Any]) -> dict[str, Any]:
     return {
         "max_batch_size": batcher.max_batch_size,
         "max_wait_ms": batcher.max_wait_s * 1000.0,
         "queue_depth": batcher.depth,
         "batch_ms_estimate": round(batcher.batch_s_estimate * 1000.0, 3),
+        "request_ms_estimate": round(batcher.item_s_estimate * 1000.0, 3),
+        "expected_wait_ms": round(batcher.expected_wait_s() * 1000.0, 3),
     }

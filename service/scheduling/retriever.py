@@ -170,7 +170,8 @@ class Retriever:
             batcher: Batcher[PathQuery, PathAnswer] = Batcher(
                 name, self._timed(path), max_batch_size=s.max_batch_size,
                 max_wait_ms=s.max_wait_ms, queue_size=s.queue_size,
-                admit_wait_fraction=s.admit_wait_fraction, metrics=self.metrics,
+                admit_wait_fraction=s.admit_wait_fraction, nice=s.compute_nice,
+                metrics=self.metrics,
             )
             batcher.start()
             self.batchers[name] = batcher
