@@ -72,6 +72,7 @@ class Batcher(Generic[P, R]):
                                             initializer=yield_to_the_loop, initargs=(nice,))
         self._task: asyncio.Task | None = None
         self._busy = False
+        self._computing_since: float | None = None  # time.monotonic() the batch started
         self._current: list[Job[P]] = []  # the batch being collected or computed
         self._closed = False
         self.batch_s_estimate = 0.0  # EWMA of a batch's compute time
@@ -89,13 +90,18 @@ class Batcher(Generic[P, R]):
         return self._queue.maxsize - self._queue.qsize()
 
     def expected_wait_s(self) -> float:
-        """Time a request submitted now waits before its batch starts: the batch in compute at
-        the measured batch time, and the requests queued ahead at the measured compute time per
-        request (both EWMAs, so they follow batches as they grow with the load; per request,
-        because a path whose batches cost in proportion to their size, as AR decoding does,
-        would otherwise admit a batch it cannot finish in time). An idle path has none."""
+        """Time a request submitted now waits before its batch starts: what is left of the batch
+        in compute at the measured batch time, and the requests queued ahead at the measured
+        compute time per request (both EWMAs, so they follow batches as they grow with the
+        load; per request, because a path whose batches cost in proportion to their size, as
+        AR decoding does, would otherwise admit a batch it cannot finish in time). An idle path
+        has none."""
         queued = self._queue.qsize() * self.item_s_estimate
-        return queued + self.batch_s_estimate * int(self._busy) + self.max_wait_s
+        computing = 0.0
+        if self._computing_since is not None:  # what is left of the batch in compute
+            elapsed = time.monotonic() - self._computing_since
+            computing = max(self.batch_s_estimate - elapsed, 0.0)
+        return queued + computing + self.max_wait_s
 
     def admit(self, deadline: float) -> None:
         """Refuse (OverloadError) a request that would wait longer than its share of the time
@@ -203,7 +209,7 @@ class Batcher(Generic[P, R]):
         return live
 
     async def _compute_batch(self, jobs: list[Job[P]]) -> None:
-        started = time.monotonic()
+        started = self._computing_since = time.monotonic()
         loop = asyncio.get_running_loop()
         try:
             results = await loop.run_in_executor(
@@ -216,6 +222,7 @@ class Batcher(Generic[P, R]):
             return
         finally:
             elapsed = time.monotonic() - started
+            self._computing_since = None
             self.batch_s_estimate = ewma(self.batch_s_estimate, elapsed)
             self.item_s_estimate = ewma(self.item_s_estimate, elapsed / len(jobs))
         if self._metrics is not None:
