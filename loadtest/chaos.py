@@ -16,6 +16,7 @@ its figures in one JSON report (chaos.json, chaos.md). Exits 1 when a case fails
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -37,7 +38,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.openloop import TRANSPORT_ERROR, Load, scenario_body, summarize
-from loadtest.run import HOST, start_server, wait_ready
+from loadtest.run import HOST, start_server, stop_server, wait_ready
 from service.artifacts.bundle import MANIFEST, read_manifest, write_manifest
 
 ADMIN_TOKEN = "chaos"
@@ -71,9 +72,7 @@ class Chaos:
             wait_ready(self.port)
             yield f"http://{HOST}:{self.port}", process
         finally:
-            if process.poll() is None:
-                process.terminate()
-                process.wait(timeout=60)
+            stop_server(process)
 
     def copy(self, name: str, real: tuple[str, ...] = ()) -> Path:
         """A copy of the bundle beside it (hard links, except the manifest and the files in
@@ -354,14 +353,19 @@ def case_clients(chaos: Chaos) -> dict[str, Any]:
         leave_mid_request(url, gone)
         started = time.monotonic()
         closed = []
-        for sock in trickling:  # the server answers 408 and closes each
-            sock.settimeout(receive_timeout_s * 5)
-            answer = b""
-            while chunk := sock.recv(4096):
-                answer += chunk
-            closed.append((time.monotonic() - started, answer.split(b"\r\n", 1)[0].decode()))
-            sock.close()
-        load.stop()
+        try:
+            for sock in trickling:  # the server answers 408 and closes each
+                sock.settimeout(receive_timeout_s * 5)
+                answer = b""
+                with contextlib.suppress(TimeoutError):
+                    while chunk := sock.recv(4096):
+                        answer += chunk
+                closed.append((time.monotonic() - started,
+                               answer.split(b"\r\n", 1)[0].decode() or "no answer"))
+        finally:
+            for sock in trickling:
+                sock.close()
+            load.stop()
         shots = load.join()
         time.sleep(1.0)
         result = {
@@ -379,7 +383,8 @@ def case_clients(chaos: Chaos) -> dict[str, Any]:
             "answered_after": httpx.post(f"{url}/v1/retrieve", json={"query": "boat"},
                                          timeout=30.0).status_code,
         }
-    result["passed"] = (set(result["requests_by_status"]) == {"200"}
+    # the 100 that leave arrive at once, far past capacity: the load beside them may see 429s
+    result["passed"] = (set(result["requests_by_status"]) <= {"200", "429"}
                         and result["slow_answers"] == ["HTTP/1.1 408 Request Timeout"]
                         and result["receive_timeouts_counted"] == slow
                         and result["fds_after"] <= result["fds_before"]

@@ -112,10 +112,13 @@ class Load:
             async with session.post(f"{self.url}/v1/retrieve", json=body) as response:
                 payload = await response.read()
                 status = response.status
-            if status == 200:
-                route = json.loads(payload).get("route")
         except (aiohttp.ClientError, TimeoutError, OSError):
             status = TRANSPORT_ERROR
+        if status == 200:
+            try:
+                route = json.loads(payload).get("route")
+            except (ValueError, AttributeError):
+                route = "unparsable"
         self.shots.append(Shot(due, status, time.monotonic() - self.started - due, route))
 
 

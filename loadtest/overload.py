@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.openloop import Load, scenario_body, summarize
-from loadtest.run import HOST, start_server, wait_ready
+from loadtest.run import HOST, start_server, stop_server, wait_ready
 from service.settings import Settings
 
 RAMP_START_RPS, RAMP_STEP, RAMP_SECONDS = 60.0, 1.5, 8.0
@@ -107,8 +107,7 @@ def main() -> None:
         over = phase(url, args.factor * best, args.seconds, seed=2)
         recovery = phase(url, best / 2, args.seconds / 2, seed=3)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        stop_server(server)
     report = {"capacity_rps": best, "factor": args.factor, "deadline_ms": deadline_ms,
               "ramp": probe, "overload": over, "recovery": recovery,
               "checks": checks(over, recovery, deadline_ms), "server_exit_code": server.returncode}

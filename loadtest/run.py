@@ -39,6 +39,18 @@ def start_server(bundle: Path, port: int, log: Path, **overrides: str) -> subpro
                             stdout=handle, stderr=subprocess.STDOUT)
 
 
+def stop_server(server: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+    if server.poll() is not None:
+        return
+    server.terminate()
+    try:
+        server.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 def wait_ready(port: int, timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -173,8 +185,7 @@ def main() -> None:
             results.append(run_scenario(name, args.port, int(users or args.users),
                                         float(rate or args.rate), args.seconds, args.out, i))
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop_server(server)
     (args.out / "loadtest.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / "loadtest.md").write_text(markdown(results))
     plot(results, args.out / "loadtest.png")

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadtest.figure import figure
 from loadtest.openloop import Load, scenario_body, summarize
 from loadtest.overload import capacity
-from loadtest.run import HOST, start_server, wait_ready
+from loadtest.run import HOST, start_server, stop_server, wait_ready
 
 LOAD_SHARE = 0.7
 MAX_RSS_GROWTH = 0.05
@@ -120,8 +120,7 @@ def main() -> None:
         seconds = args.minutes * 60
         result = soak(url, server.pid, LOAD_SHARE * best, seconds, args.every)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        stop_server(server)
     report = {"minutes": args.minutes, "capacity_rps": best,
               "rate_rps": round(LOAD_SHARE * best, 1), **result,
               "verdict": verdict(result["samples"], result["summary"], seconds)}

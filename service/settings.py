@@ -96,8 +96,7 @@ class Settings(BaseSettings):
         0.1, gt=0, le=1, description="Admission by expected wait: a request whose path's "
         "expected queue wait (measured batch time × batches ahead) exceeds this fraction of its "
         "time left gets a 429 at once, with Retry-After from the estimate, instead of a slow "
-        "504; before parsing, the gate admits what the measured goodput answers within this "
-        "fraction of the deadline.",
+        "504.",
     )
     retry_after_s: int = Field(
         1, ge=0, description="Least Retry-After sent with a 429 (the wait estimate may say "
@@ -193,6 +192,9 @@ class Settings(BaseSettings):
     def _queue_fits_batches(self) -> Settings:
         if self.queue_size < self.max_batch_queries:
             raise ValueError("queue_size must be >= max_batch_queries")
+        if self.max_wait_ms >= self.admit_wait_fraction * self.request_timeout_ms:
+            raise ValueError("max_wait_ms must be below admit_wait_fraction x "
+                             "request_timeout_ms, or every request would be refused")
         return self
 
     @property

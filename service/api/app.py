@@ -153,11 +153,14 @@ class ServiceState:
         return self.retriever
 
     async def load(self, bundle_dir: Path, strict: bool) -> Retriever:
-        with ThreadPoolExecutor(1, initializer=yield_to_the_loop,  # sessions' pools inherit it
-                                initargs=(self.settings.compute_nice,)) as loader:
+        loader = ThreadPoolExecutor(1, initializer=yield_to_the_loop,  # sessions' pools inherit
+                                    initargs=(self.settings.compute_nice,))
+        try:
             retriever = await asyncio.get_running_loop().run_in_executor(
                 loader, Retriever.load, self.settings, self.metrics, bundle_dir, self.loaders
             )
+        finally:  # cancelled (shutdown): never block the loop on the load still running
+            loader.shutdown(wait=False)
         retriever.start()
         try:
             await retriever.warm_up(strict=strict)
@@ -211,7 +214,7 @@ class ServiceState:
         try:
             self.publish(await self.load(self.settings.bundle, strict=False))
             self.startup = "ready"
-            self.metrics.ready.set(1)
+            self.metrics.ready.set(0 if self.draining else 1)
             log.info("ready", extra={"info": {"bundle": str(self.settings.bundle)}})
         except Exception as exc:
             self.startup, self.startup_error = "failed", f"{type(exc).__name__}: {exc}"

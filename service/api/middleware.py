@@ -105,6 +105,8 @@ class ServedConcurrency:
     def value(self, now: float) -> float:
         while self._done and self._done[0][0] < now - self.window_s:
             self._total -= self._done.popleft()[1]
+        if not self._done:
+            self._total = 0.0  # no rounding left over from the sums
         return max(self._total, 0.0) / self.window_s
 
 

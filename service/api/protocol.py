@@ -61,7 +61,8 @@ class ReceiveDeadlineProtocol(HttpToolsProtocol):
             return
         log.warning("closing a connection whose request did not arrive within %.1f s",
                     self.receive_timeout_s)
-        if self.cycle is None or not self.cycle.response_started:
+        cycle = self.cycle  # on a kept-alive connection, the last request's until headers end
+        if cycle is None or cycle.response_complete or not cycle.response_started:
             self.transport.write(REQUEST_TIMEOUT)
         self.transport.close()
         if self.on_timeout is not None:

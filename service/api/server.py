@@ -10,14 +10,15 @@ answers within minutes instead of after the whole offline job.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import logging.config
 import os
 import signal
+import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -94,18 +95,26 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.begin_drain, self.drain_s = begin_drain, drain_s
         self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig != signal.SIGTERM:
+        if sig != signal.SIGTERM or self.loop is None:
             super().handle_exit(sig, frame)
-        elif self.draining:  # a second SIGTERM ends the drain now
+        else:  # on the loop, not in the handler: the handler may interrupt a held lock
+            self.loop.call_soon_threadsafe(self.on_sigterm)
+
+    def on_sigterm(self) -> None:
+        if self.draining:  # a second SIGTERM ends the drain now
             self.stop()
-        else:
-            self.draining = True
-            self.begin_drain()
-            timer = threading.Timer(self.drain_s, self.stop)
-            timer.daemon = True
-            timer.start()
+            return
+        self.draining = True
+        self.begin_drain()
+        assert self.loop is not None
+        self.loop.call_later(self.drain_s, self.stop)
 
     def stop(self) -> None:
         self.should_exit = True

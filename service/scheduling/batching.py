@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import Any, Generic, TypeVar
 from service.errors import DeadlineError, OverloadError, UnavailableError
 from service.metrics import Metrics
 
+log = logging.getLogger("r4t.batching")
 P = TypeVar("P")
 R = TypeVar("R")
 EWMA_ALPHA = 0.2  # weight of the newest batch in the compute-time estimate
@@ -94,8 +96,8 @@ class Batcher(Generic[P, R]):
         in compute at the measured batch time, and the requests queued ahead at the measured
         compute time per request (both EWMAs, so they follow batches as they grow with the
         load; per request, because a path whose batches cost in proportion to their size, as
-        AR decoding does, would otherwise admit a batch it cannot finish in time). An idle path
-        has none."""
+        AR decoding does, would otherwise admit a batch it cannot finish in time), plus
+        `max_wait_ms`. An idle path has nothing else."""
         queued = self._queue.qsize() * self.item_s_estimate
         computing = 0.0
         if self._computing_since is not None:  # what is left of the batch in compute
@@ -244,8 +246,14 @@ def yield_to_the_loop(nice: int) -> None:
     """Lower the calling thread's scheduling priority by `nice` (Linux: per thread; threads it
     starts, such as OpenMP's and ONNX Runtime's pools, inherit it), so that the event loop,
     which admits, refuses and answers, is scheduled first when the cores are busy computing."""
-    if nice > 0:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    if nice <= 0:
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread,
+                       min(os.getpriority(os.PRIO_PROCESS, thread) + nice, 19))
+    except OSError as exc:  # a platform without per-thread priorities: run as it is
+        log.warning("could not lower the priority of a compute thread: %s", exc)
 
 
 def ewma(estimate: float, value: float) -> float:

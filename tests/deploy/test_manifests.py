@@ -11,6 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.metrics import Metrics
+from service.scheduling.batching import CLOSE_GRACE_S
 from service.settings import Settings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -90,3 +91,14 @@ def test_alert_rules_query_only_exported_metrics():
     for rule in rules["groups"][0]["rules"]:
         for name in re.findall(r"\br4t_[a-z_]+", rule["expr"]):
             assert name in exported, f"{rule['alert']}: {name} is not exported"
+
+
+def test_termination_grace_outlasts_the_drain_and_the_readiness_probe():
+    docs = k8s_documents()
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    settings = docs["ConfigMap"]["data"]
+    probe = pod["containers"][0]["readinessProbe"]
+    drain, grace = float(settings["R4T_DRAIN_S"]), float(settings["R4T_SHUTDOWN_GRACE_S"])
+    assert drain > probe["periodSeconds"] * probe["failureThreshold"]  # unready before closing
+    # never killed mid-answer: the drain, the grace, then each route's queue closing
+    assert pod["terminationGracePeriodSeconds"] > drain + grace + CLOSE_GRACE_S

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from service.api.middleware import request_id_var
 from service.api.server import JsonFormatter, log_config, register
@@ -85,3 +86,8 @@ def test_sigterm_drains_then_finishes_in_flight_work_and_exits_0(
         answer = in_flight.result(timeout=WAIT_S)
         assert answer.status_code == 200 and answer.json()["route"] == "ar"
         assert process.wait(timeout=WAIT_S) == 0
+
+
+def test_a_batch_window_longer_than_the_admission_budget_is_refused_at_start():
+    with pytest.raises(ValueError, match="max_wait_ms must be below"):
+        Settings(max_wait_ms=600, request_timeout_ms=5000, admit_wait_fraction=0.1)

@@ -263,23 +263,23 @@ class Working:
 
 
 def test_admission_refuses_what_would_wait_past_its_budget():
-    work = Working(1.0)
+    work = Working(2.0)
 
     async def scenario():
-        # budget = a fifth of the time left (0.4 s): an idle path admits; waiting for what is
-        # left of a batch in compute (up to 1 s) does not fit
+        # budget = a fifth of the time left (0.8 s): an idle path admits; waiting for what is
+        # left of a batch in compute (up to 2 s) does not fit, checked within 1.2 s of its start
         batcher = Batcher("t", work, max_batch_size=1, max_wait_ms=0, queue_size=16,
                           admit_wait_fraction=0.2)
         batcher.start()
         try:
-            await batcher.submit(1, time.monotonic() + 2.0)  # measures the batch time
+            await batcher.submit(1, time.monotonic() + 4.0)  # measures the batch time
             assert batcher.batch_s_estimate >= work.work_s
             work.entered.clear()
-            first = asyncio.ensure_future(batcher.submit(2, time.monotonic() + 2.0))  # idle
+            first = asyncio.ensure_future(batcher.submit(2, time.monotonic() + 4.0))  # idle
             await wait_for(work.entered)
             with pytest.raises(OverloadError) as refused:  # behind the batch in compute
-                await batcher.submit(3, time.monotonic() + 2.0)
-            assert refused.value.retry_after_s > 0.4
+                await batcher.submit(3, time.monotonic() + 4.0)
+            assert refused.value.retry_after_s > 0.8
             assert "expected wait" in str(refused.value)
             assert (await first).result == 4
             assert batcher.depth == 0  # the refused request never took a queue slot
