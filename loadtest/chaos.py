@@ -398,13 +398,25 @@ CASES: dict[str, Case] = {"reload": case_reload, "sigterm": case_sigterm,
                           "ar_backend": case_ar_backend, "clients": case_clients}
 
 
+def rounded(value: Any) -> Any:
+    """Floats to 3 decimals, all the way down (the report is read by people)."""
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    return value
+
+
 def markdown(report: dict[str, dict[str, Any]]) -> str:
-    lines = ["| case | passed | figures |", "|---|---|---|"]
+    lines = []
     for name, result in report.items():
-        figures = {k: v for k, v in result.items() if k != "passed"}
-        lines.append(f"| {name} | {'yes' if result['passed'] else 'NO'} | "
-                     f"`{json.dumps(figures)[:900]}` |")
-    return "\n".join(lines) + "\n"
+        lines += [f"### {name}: {'passed' if result['passed'] else 'FAILED'}", ""]
+        for key, value in rounded(result).items():
+            if key != "passed":
+                text = value if isinstance(value, str | int | float) else json.dumps(value)
+                lines.append(f"- {key}: {text}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main() -> None:
