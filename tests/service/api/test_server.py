@@ -66,7 +66,8 @@ def refuses_connections(url: str) -> bool:
 def test_sigterm_drains_then_finishes_in_flight_work_and_exits_0(
     serving_bundle, completion_server, tmp_path
 ):
-    env = {"R4T_DRAIN_S": str(WAIT_S), "R4T_REQUEST_TIMEOUT_MS": str(1000 * WAIT_S)}
+    env = {"R4T_DRAIN_S": str(WAIT_S), "R4T_SHUTDOWN_GRACE_S": str(WAIT_S),
+           "R4T_REQUEST_TIMEOUT_MS": str(1000 * WAIT_S)}
     with server_process(serving_bundle, completion_server, tmp_path / "r4t.log", **env) as (
             url, process), ThreadPoolExecutor(1) as pool, \
             holding_completions(completion_server) as held:
