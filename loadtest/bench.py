@@ -24,6 +24,7 @@ import onnxruntime as ort
 from tqdm import tqdm
 
 from loadtest.figure import figure
+from loadtest.report import publish
 from service.artifacts.bundle import load_bundle
 from service.errors import R4TError
 from service.paths.answer import PathQuery
@@ -242,9 +243,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def write_outputs(report: dict, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / "bench.md").write_text(markdown(report))
+    publish(out_dir, "bench", report, markdown(report), echo=False)
     plot(report, out_dir / "bench.png")
 
 

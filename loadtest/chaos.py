@@ -38,6 +38,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.openloop import TRANSPORT_ERROR, Load, scenario_body, summarize
+from loadtest.report import publish
 from loadtest.run import HOST, start_server, stop_server, wait_ready
 from service.artifacts.bundle import MANIFEST, read_manifest, write_manifest
 
@@ -442,9 +443,7 @@ def main() -> None:
     finally:
         chaos.clean()
     chaos.clean()
-    (args.out / "chaos.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "chaos.md").write_text(markdown(report))
-    print(markdown(report))
+    publish(args.out, "chaos", report, markdown(report))
     sys.exit(0 if all(r["passed"] for r in report.values()) else 1)
 
 

@@ -9,7 +9,6 @@ Writes first_answer.json and first_answer.md. Run alone: the build is the whole 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from loadtest.report import publish
 
 QUERY = {"query": "musical instrument", "k": 10}
 
@@ -76,16 +77,13 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=60)
     report = {"command": " ".join(command), **summary(log), "log": log}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "first_answer.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["# First answer from an empty bundle (`r4t serve --build`)", "",
              f"- first answer: {report['first_answer_s']} s after launch",
              *(f"- first `{route}` answer: {t} s"
                for route, t in report["first_answer_by_route_s"].items()),
              f"- requests after the first answer: {report['requests_after_first_answer']}, "
              f"failed: {len(report['failed_after_first_answer'])}"]
-    (args.out / "first_answer.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(args.out, "first_answer", report, "\n".join(lines))
 
 
 if __name__ == "__main__":

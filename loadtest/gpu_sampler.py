@@ -9,12 +9,12 @@ bf16 autocast. Writes JSON and markdown. Needs torch with CUDA; not part of `mak
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
+from loadtest.report import publish
 from training.stage3_diffusion.denoiser import Denoiser, count_params, flops_per_step, preset
 from training.stage3_diffusion.solvers import euler_pf_ode
 
@@ -69,8 +69,6 @@ def main() -> None:
               "preset": args.preset, "params": count_params(model), "steps": args.steps,
               "cfg_weight": args.cfg, "gflop_per_query":
               flops_per_step(model.config, cfg=args.cfg != 0) * args.steps / 1e9, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_sampler.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"Paper-size sampler ({report['params']:,} params, Euler {args.steps} steps, CFG "
              f"w={args.cfg}, {report['gflop_per_query']:.0f} GFLOP/query) on {report['gpu']}, "
              f"torch {report['torch']}, random weights:", "",
@@ -78,8 +76,7 @@ def main() -> None:
              "|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['fp32_s']:.3f} | {r['bf16_s']:.3f} | {r['paper_s']:.3f} |"
               for r in rows]
-    (args.out / "gpu_sampler.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(args.out, "gpu_sampler", report, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,8 @@ import time
 
 from locust import FastHttpUser, constant_throughput, task
 
-QUERIES = [
-    "camping gear", "kitchen utensil", "musical instrument", "vehicle", "tree", "bird",
-    "furniture", "garment", "weapon", "tool", "game", "sport", "dog", "fish", "flower",
-    "building", "container", "fabric", "beverage", "dance", "disease", "mineral", "boat",
-]
+from loadtest.queries import QUERIES
+
 SCENARIO = os.environ.get("R4T_LOAD_SCENARIO", "mix")
 RATE = float(os.environ.get("R4T_LOAD_RATE", "1.0"))
 

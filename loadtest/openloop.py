@@ -22,11 +22,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-QUERIES = (
-    "camping gear", "kitchen utensil", "musical instrument", "vehicle", "tree", "bird",
-    "furniture", "garment", "weapon", "tool", "game", "sport", "dog", "fish", "flower",
-    "building", "container", "fabric", "beverage", "dance", "disease", "mineral", "boat",
-)
+from loadtest.queries import QUERIES
+
 TRANSPORT_ERROR = 0  # the status recorded when no HTTP answer came (refused, reset, timeout)
 Body = Callable[[random.Random], dict[str, Any]]
 

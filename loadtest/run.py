@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import re
 import subprocess
@@ -21,6 +20,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.figure import figure
+from loadtest.report import publish
 
 SCENARIOS = ("single", "diffusion", "ar", "mix")
 # The rates measured sustainable on 2 cores (server and Locust sharing them); see README.
@@ -186,10 +186,8 @@ def main() -> None:
                                         float(rate or args.rate), args.seconds, args.out, i))
     finally:
         stop_server(server)
-    (args.out / "loadtest.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "loadtest.md").write_text(markdown(results))
     plot(results, args.out / "loadtest.png")
-    print(markdown(results))
+    publish(args.out, "loadtest", results, markdown(results))
 
 
 if __name__ == "__main__":

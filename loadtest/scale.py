@@ -13,7 +13,6 @@ lookup asks for.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from loadtest.figure import figure
+from loadtest.report import publish
 from service.artifacts.bundle import load_bundle
 from service.errors import R4TError
 from service.runtime.index import IndexChoice, build_index, chosen_index, search, set_threads
@@ -139,11 +139,8 @@ def main() -> None:
         report = run(args.bundle, args.sizes, args.index, args.threads)
     except R4TError as exc:  # a missing or refused bundle, a bad --index
         parser.error(str(exc))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "scale.md").write_text(markdown(report))
+    publish(args.out, "scale", report, markdown(report))
     plot(report, args.out / "scale.png")
-    print(markdown(report))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Writes soak.json, soak.md and soak.png.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadtest.figure import figure
 from loadtest.openloop import Load, scenario_body, summarize
 from loadtest.overload import capacity
+from loadtest.report import publish
 from loadtest.run import HOST, start_server, stop_server, wait_ready
 
 LOAD_SHARE = 0.7
@@ -124,10 +124,8 @@ def main() -> None:
     report = {"minutes": args.minutes, "capacity_rps": best,
               "rate_rps": round(LOAD_SHARE * best, 1), **result,
               "verdict": verdict(result["samples"], result["summary"], seconds)}
-    (args.out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "soak.md").write_text(markdown(report))
+    publish(args.out, "soak", report, markdown(report))
     plot(result["samples"], args.out / "soak.png")
-    print(markdown(report))
     sys.exit(0 if report["verdict"]["passed"] else 1)
 
 
