@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.openloop import TRANSPORT_ERROR, Load, scenario_body, summarize
 from loadtest.report import publish
-from loadtest.run import HOST, start_server, stop_server, wait_ready
+from loadtest.run import HOST, check_bundle, start_server, stop_server, wait_ready
 from service.artifacts.bundle import MANIFEST, read_manifest, write_manifest
 
 ADMIN_TOKEN = "chaos"
@@ -70,7 +70,7 @@ class Chaos:
         process = start_server(self.bundle, self.port, self.out / f"{name}.log",
                                R4T_ADMIN_TOKEN=ADMIN_TOKEN, **env)
         try:
-            wait_ready(self.port)
+            wait_ready(self.port, server=process)
             yield f"http://{HOST}:{self.port}", process
         finally:
             stop_server(process)
@@ -431,6 +431,7 @@ def main() -> None:
     unknown = set(args.cases.split(",")) - set(CASES)
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; choose from {sorted(CASES)}")
+    check_bundle(parser, args.bundle)
     args.out.mkdir(parents=True, exist_ok=True)
     chaos = Chaos(args.bundle, args.out, args.port)
     report: dict[str, dict[str, Any]] = {}

@@ -14,8 +14,9 @@ from typing import Any
 
 from loadtest.openloop import Load, scenario_body, summarize
 from loadtest.report import publish
-from loadtest.run import HOST, start_server, stop_server, wait_ready
+from loadtest.run import HOST, check_bundle, start_server, stop_server, wait_ready
 from service.settings import Settings
+from training.commands import positive_float
 
 RAMP_START_RPS, RAMP_STEP, RAMP_SECONDS = 60.0, 1.5, 8.0
 LIMITS = {"max_504_share": 0.01, "max_429_p99_ms": 50.0, "max_accepted_p99_share": 0.5}
@@ -92,16 +93,17 @@ def main() -> None:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--bundle", type=Path, default=Path("models/default"))
     parser.add_argument("--port", type=int, default=8766)
-    parser.add_argument("--factor", type=float, default=4.0, help="overload, x capacity")
-    parser.add_argument("--seconds", type=float, default=30.0, help="per phase")
+    parser.add_argument("--factor", type=positive_float, default=4.0, help="overload, x capacity")
+    parser.add_argument("--seconds", type=positive_float, default=30.0, help="per phase")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results/overload"))
     args = parser.parse_args()
+    check_bundle(parser, args.bundle)
     args.out.mkdir(parents=True, exist_ok=True)
     deadline_ms = Settings().request_timeout_ms
     url = f"http://{HOST}:{args.port}"
     server = start_server(args.bundle, args.port, args.out / "server.log")
     try:
-        wait_ready(args.port)
+        wait_ready(args.port, server=server)
         probe = capacity(url)
         best = max(probe["capacity_rps"], 1.0)
         over = phase(url, args.factor * best, args.seconds, seed=2)

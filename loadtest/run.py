@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.figure import figure
 from loadtest.report import publish
+from service.artifacts.bundle import read_manifest
+from service.errors import BundleError
 
 SCENARIOS = ("single", "diffusion", "ar", "mix")
 # The rates measured sustainable on 2 cores (server and Locust sharing them); see README.
@@ -39,6 +41,14 @@ def start_server(bundle: Path, port: int, log: Path, **overrides: str) -> subpro
                             stdout=handle, stderr=subprocess.STDOUT)
 
 
+def check_bundle(parser: argparse.ArgumentParser, bundle: Path) -> None:
+    """A usage error, before any server starts, for a bundle folder that is not one."""
+    try:
+        read_manifest(bundle)
+    except BundleError as exc:
+        parser.error(str(exc))
+
+
 def stop_server(server: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
     if server.poll() is not None:
@@ -51,9 +61,14 @@ def stop_server(server: subprocess.Popen, timeout_s: float = 60.0) -> None:
         server.wait()
 
 
-def wait_ready(port: int, timeout_s: float = 180.0) -> None:
+def wait_ready(port: int, timeout_s: float = 180.0,
+               server: subprocess.Popen | None = None) -> None:
+    """Until /readyz answers 200; RuntimeError at once if `server` exits first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            raise RuntimeError(f"r4t serve exited with status {server.returncode} before it "
+                               "was ready; its log says why")
         try:
             if httpx.get(f"http://{HOST}:{port}/readyz", timeout=2.0).status_code == 200:
                 return
@@ -174,11 +189,12 @@ def main() -> None:
                         "@<req/s>[:<users>]")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
     args = parser.parse_args()
+    check_bundle(parser, args.bundle)
     args.out.mkdir(parents=True, exist_ok=True)
     server = start_server(args.bundle, args.port, args.out / "server.log")
     results: list[dict[str, Any]] = []
     try:
-        wait_ready(args.port)
+        wait_ready(args.port, server=server)
         for i, spec in enumerate(args.scenarios.split(",")):
             name, _, load = spec.partition("@")  # "mix@800:256": own rate and users
             rate, _, users = load.partition(":")

@@ -22,7 +22,8 @@ from loadtest.figure import figure
 from loadtest.openloop import Load, scenario_body, summarize
 from loadtest.overload import capacity
 from loadtest.report import publish
-from loadtest.run import HOST, start_server, stop_server, wait_ready
+from loadtest.run import HOST, check_bundle, start_server, stop_server, wait_ready
+from training.commands import positive_float
 
 LOAD_SHARE = 0.7
 MAX_RSS_GROWTH = 0.05
@@ -107,15 +108,17 @@ def main() -> None:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--bundle", type=Path, default=Path("models/default"))
     parser.add_argument("--port", type=int, default=8767)
-    parser.add_argument("--minutes", type=float, default=20.0)
-    parser.add_argument("--every", type=float, default=10.0, help="seconds between samples")
+    parser.add_argument("--minutes", type=positive_float, default=20.0)
+    parser.add_argument("--every", type=positive_float, default=10.0,
+                        help="seconds between samples")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results/soak"))
     args = parser.parse_args()
+    check_bundle(parser, args.bundle)
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://{HOST}:{args.port}"
     server = start_server(args.bundle, args.port, args.out / "server.log")
     try:
-        wait_ready(args.port)
+        wait_ready(args.port, server=server)
         best = max(capacity(url)["capacity_rps"], 1.0)
         seconds = args.minutes * 60
         result = soak(url, server.pid, LOAD_SHARE * best, seconds, args.every)

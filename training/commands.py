@@ -47,6 +47,14 @@ def positive_list(text: str) -> tuple[int, ...]:
                                           ) from None
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
 def non_negative(text: str) -> int:
     """An argparse type: an integer of at least 0."""
     value = int(text)

@@ -27,9 +27,11 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
+from pydantic import ValidationError
 
 from service.api.middleware import current_request_id
 from service.api.protocol import receive_deadline_protocol
+from service.errors import InputError
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -174,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
-    settings = Settings(**overrides)
+    settings = settings_from(overrides)
     if not getattr(args, "build", False):
         serve(settings)
         return
@@ -182,6 +184,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
         settings = settings.model_copy(update={"watch_s": WATCH_S})
     with background_build(settings.bundle):
         serve(settings)
+
+
+def settings_from(overrides: dict[str, Any]) -> Settings:
+    """The settings, or an InputError naming each bad R4T_* variable (r4t prints it)."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"R4T_{'_'.join(str(p) for p in error['loc']).upper() or '*'}: {error['msg']}"
+            f" (got {error.get('input')!r})" if error["loc"] else error["msg"]
+            for error in exc.errors()
+        )
+        raise InputError(f"invalid settings: {problems}") from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from service.api.middleware import request_id_var
-from service.api.server import JsonFormatter, log_config, register
+from service.api.server import JsonFormatter, log_config, register, settings_from
+from service.errors import InputError
 from service.settings import Settings
 from tests.service.conftest import WAIT_S, holding_completions, server_process, wait_until
 
@@ -92,3 +93,11 @@ def test_sigterm_drains_then_finishes_in_flight_work_and_exits_0(
 def test_a_batch_window_longer_than_the_admission_budget_is_refused_at_start():
     with pytest.raises(ValueError, match="max_wait_ms must be below"):
         Settings(max_wait_ms=600, request_timeout_ms=5000, admit_wait_fraction=0.1)
+
+
+def test_bad_settings_are_one_clear_error_naming_each_variable():
+    with pytest.raises(InputError) as refused:
+        settings_from({"admit_wait_fraction": 5, "compute_nice": -3})
+    message = str(refused.value)
+    assert "R4T_ADMIT_WAIT_FRACTION" in message and "R4T_COMPUTE_NICE" in message
+    assert settings_from({"port": 9001}).port == 9001

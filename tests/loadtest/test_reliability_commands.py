@@ -1,0 +1,24 @@
+"""make overload, soak and chaos refuse bad input with a usage error before starting anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("arguments", [
+    ["loadtest.overload", "--bundle", "no/such/bundle"],
+    ["loadtest.soak", "--bundle", "no/such/bundle"],
+    ["loadtest.chaos", "--bundle", "no/such/bundle"],
+    ["loadtest.soak", "--minutes", "0"],
+    ["loadtest.overload", "--factor", "-1"],
+    ["loadtest.chaos", "--cases", "reload,nope"],
+])
+def test_bad_input_is_a_usage_error(arguments, tmp_path):
+    done = subprocess.run([sys.executable, "-m", *arguments, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "error:" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()  # nothing was started or written
