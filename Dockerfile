@@ -33,7 +33,7 @@ COPY pyproject.toml README.md ./
 COPY service service
 COPY training training
 # onnxruntime-gpu replaces the CPU wheel (both install the `onnxruntime` module).
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir '.[milvus]' \
     && if [ "$RUNTIME" = gpu ]; then pip uninstall -y onnxruntime \
        && pip install --no-cache-dir onnxruntime-gpu; fi \
     && useradd --uid 10001 --create-home r4t

@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml | system-deps
 	[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev,milvus]'
 	touch $(STAMP)
 
 bundle: install
@@ -41,10 +41,12 @@ serve: install
 	$(R4T) --bundle $(BUNDLE) serve --build
 
 # The honest speed benchmark (run alone): every route, batch 8..1024, per stage;
-# BASELINE=<bundle> times that bundle's diffusion path in the same run.
+# BASELINE=<bundle> times that bundle's diffusion path in the same run, BASELINE_INDEX=milvus
+# the same path searching the bundle's Milvus collection (`r4t index`).
 bench: bundle
 	$(PY) -m loadtest.bench --bundle $(BUNDLE) --out loadtest/results \
-	  $(if $(BASELINE),--baseline $(BASELINE))
+	  $(if $(BASELINE),--baseline $(BASELINE)) \
+	  $(if $(BASELINE_INDEX),--baseline-index $(BASELINE_INDEX))
 
 # Search cost vs catalog size (82k rows, then 500k and 2M synthetic) and batch, exact and
 # the served approximate index (run alone; 8 min here) -> loadtest/results/scale.*

@@ -100,22 +100,24 @@ def compute_s(clock: dict[str, float]) -> float:
     return sum(v for key, v in clock.items() if key != "tokens")
 
 
-def diffusion_path(bundle_dir: Path, threads: int, encoder: Encoder | None = None
-                   ) -> DiffusionPath:
-    bundle = load_bundle(bundle_dir, IndexChoice.parse(Settings(bundle=bundle_dir).index))
+def diffusion_path(bundle_dir: Path, threads: int, encoder: Encoder | None = None,
+                   index: str | None = None) -> DiffusionPath:
+    choice = IndexChoice.parse(index or Settings(bundle=bundle_dir).index)
+    bundle = load_bundle(bundle_dir, choice)
     sampler = DiffusionSampler(bundle_dir / "diffusion", threads=threads)
     return DiffusionPath(bundle, encoder or Encoder(bundle.encoder_config), sampler, seed=0)
 
 
 def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
-        baseline: Path | None = None) -> dict:
+        baseline: Path | None = None, baseline_index: str | None = None) -> dict:
     diffusion = diffusion_path(bundle_dir, threads)
     bundle, encoder, sampler = diffusion.bundle, diffusion.encoder, diffusion.sampler
     paths = {"diffusion": diffusion,
              "ar": ar_path(Settings(bundle=bundle_dir, threads=threads, seed=0), bundle, encoder),
              "single": SinglePath(bundle, encoder)}
-    if baseline is not None:  # another bundle's diffusion path, measured in the same loop
-        paths["baseline"] = diffusion_path(baseline, threads, encoder)
+    if baseline is not None or baseline_index:  # another diffusion path, in the same loop
+        paths["baseline"] = diffusion_path(baseline or bundle_dir, threads, encoder,
+                                           baseline_index)
         if paths["baseline"].bundle.encoder_config != bundle.encoder_config:
             raise SystemExit(f"--baseline {baseline} has another encoder; compare like bundles")
     k = int(sampler.config.get("k", 10))
@@ -143,8 +145,11 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
                        "max_new_tokens": paths["ar"].backend.max_new_tokens,  # type: ignore
                        "decoding": paths["ar"].backend.decoding,  # type: ignore[union-attr]
                        "temperature": paths["ar"].backend.temperature},  # type: ignore
-              "baseline": None if baseline is None else {
-                  "bundle": str(baseline), "sampler": paths["baseline"].sampler.config},
+              "index": bundle.index.describe(),
+              "baseline": None if "baseline" not in paths else {
+                  "bundle": str(baseline or bundle_dir),
+                  "index": paths["baseline"].bundle.index.describe(),
+                  "sampler": paths["baseline"].sampler.config},
               "rows": rows}
     write_outputs(report, out_dir)
     return report
@@ -211,7 +216,13 @@ def markdown(report: dict) -> str:
 
 def baseline_table(report: dict) -> list[str]:
     """This bundle's diffusion path beside the baseline bundle's, per stage, same run."""
-    lines = ["", f"## Against the baseline bundle `{report['baseline']['bundle']}`", "",
+    base, own = report["baseline"], report.get("index", {})
+    what = (f"the same bundle searching {base['index'].get('backend')} "
+            f"({base['index'].get('collection') or base['index'].get('choice')}) instead of "
+            f"{own.get('backend')} ({own.get('choice') or own.get('collection')})"
+            if own and base.get("index", {}).get("backend") != own.get("backend")
+            else f"the baseline bundle `{base['bundle']}`")
+    lines = ["", f"## Against {what}", "",
              f"Paired: the median over {PAIRS} alternating runs of the two paths' time ratio, "
              "which holds while the machine's speed drifts; the other columns are each path's "
              "fastest run.", "",
@@ -255,9 +266,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
     parser.add_argument("--baseline", type=Path,
                         help="another bundle whose diffusion path is measured beside this one's")
+    parser.add_argument("--baseline-index", default=None, metavar="R4T_INDEX",
+                        help="measure the diffusion path beside itself searching this index "
+                             "(e.g. milvus, bundle)")
     args = parser.parse_args()
     try:
-        report = run(args.bundle, args.batches, args.threads, args.out, args.baseline)
+        report = run(args.bundle, args.batches, args.threads, args.out, args.baseline,
+                     args.baseline_index)
     except R4TError as exc:  # a missing or refused bundle, a bad R4T_INDEX
         parser.error(str(exc))
     print(markdown(report))

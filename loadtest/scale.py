@@ -24,7 +24,14 @@ from loadtest.figure import figure
 from loadtest.report import publish
 from service.artifacts.bundle import load_bundle
 from service.errors import R4TError
-from service.runtime.index import IndexChoice, build_index, chosen_index, search, set_threads
+from service.runtime.index import (
+    FaissIndex,
+    IndexChoice,
+    build_index,
+    chosen_index,
+    search,
+    set_threads,
+)
 from service.settings import Settings
 from training.commands import positive_list
 
@@ -82,9 +89,9 @@ def run(bundle_dir: Path, sizes: tuple[int, ...], choice: str, threads: int) -> 
     rows = []
     for size in tqdm(sizes, desc="catalog sizes", unit="size"):
         vectors = synthetic_rows(embeddings, size)
-        exact = build_index(vectors)
+        exact = FaissIndex(build_index(vectors))
         started = time.perf_counter()
-        approximate = chosen_index(exact, vectors, IndexChoice.parse(choice))
+        approximate = FaissIndex(chosen_index(exact.faiss, vectors, IndexChoice.parse(choice)))
         build_s = time.perf_counter() - started
         set_threads(threads)  # searches run as served: FAISS capped to its threads
         rows.append({"size": size, "build_s": build_s,

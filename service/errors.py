@@ -45,3 +45,7 @@ class UnavailableError(R4TError):
     """A retrieval path is not loaded or not ready."""
 
     http_status = 503
+
+
+class IndexUnavailableError(UnavailableError):
+    """The vector engine cannot be reached or cannot answer; every route needs it (no fallback)."""

@@ -60,7 +60,13 @@ class Settings(BaseSettings):
         "HNSW32/efSearch=64", description="The index the paths search: a FAISS index_factory "
         "string built at load over the bundle's embeddings, with search parameters after a "
         "slash, or 'bundle' (its own, exact). The default is the fastest choice that kept "
-        "coverage@10 within 1% of exact (`r4t eval --index-curve`).",
+        "coverage@10 within 1% of exact (`r4t eval --index-curve`). 'milvus' searches the "
+        "Milvus collection the bundle records (`r4t index`) and holds no index in the "
+        "process; 'milvus://host:port' reaches that collection at another address.",
+    )
+    index_timeout_s: float = Field(
+        2.0, gt=0, le=60, description="Bound on one call to an external index engine (Milvus): "
+        "past it the request gets a 503 and /readyz turns 503, never a hang.",
     )
     seed: int | None = Field(None, description="Sampler/decoder seed (None = fresh randomness).")
     # --- HTTP server

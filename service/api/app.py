@@ -45,7 +45,13 @@ from service.api.schemas import (
     RetrieveResponse,
 )
 from service.artifacts.bundle import MANIFEST, now_iso, read_build_status
-from service.errors import InputError, OverloadError, R4TError, UnavailableError
+from service.errors import (
+    IndexUnavailableError,
+    InputError,
+    OverloadError,
+    R4TError,
+    UnavailableError,
+)
 from service.metrics import Metrics
 from service.scheduling.batching import yield_to_the_loop
 from service.scheduling.retriever import Loaders, Retriever
@@ -381,6 +387,13 @@ def install_routes(app: FastAPI, state: ServiceState) -> None:
         if state.retriever is None:
             body = {"status": state.startup, "reason": state.startup_error, "building": building}
             return JSONResponse(body, status_code=503)
+        index = state.retriever.bundle.index
+        if index.backend != "faiss":  # an external engine: ready only while it answers
+            try:
+                await asyncio.to_thread(index.check)
+            except IndexUnavailableError as exc:
+                return JSONResponse({"status": "index unavailable", "reason": str(exc),
+                                     "building": building}, status_code=503)
         return JSONResponse({"status": "ready", "bundle": state.retriever.bundle.name,
                              "routes": state.retriever.routes, "building": building})
 

@@ -14,6 +14,7 @@ MAX_QUERY_CHARS = 1000
 MAX_K = 100
 MAX_BATCH_QUERIES = 64
 MAX_USER_ID_CHARS = 200
+MAX_FILTER_FIELDS = 8
 
 Route = Literal["auto", "diffusion", "ar", "single"]
 ServedRoute = Literal["diffusion", "ar", "single"]
@@ -38,6 +39,11 @@ class RetrieveRequest(BaseModel):
     )
     user_id: str | None = Field(
         None, max_length=MAX_USER_ID_CHARS, description="Sticky A/B assignment key."
+    )
+    filter: dict[str, str | int | float | bool] | None = Field(
+        None, max_length=MAX_FILTER_FIELDS,
+        description="Only items whose catalog metadata has each field equal to its value "
+        "(applied in the index engine: k items whenever k match).",
     )
 
     @field_validator("query")
@@ -100,7 +106,8 @@ RESPONSE_EXAMPLE = {
 class RetrieveResponse(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [RESPONSE_EXAMPLE]})
 
-    items: list[Item] = Field(description="Exactly k distinct items.")
+    items: list[Item] = Field(description="Exactly k distinct items (fewer only when fewer "
+                              "match the request's filter).")
     route: ServedRoute = Field(description="The path that answered.")
     arm: str = Field(description="A/B arm: a route name, or 'override' when route was forced.")
     fallback: Fallback

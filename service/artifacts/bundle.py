@@ -26,13 +26,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import faiss
-
 from service.artifacts.items import ItemStore
 from service.artifacts.lexical import LEXICAL_FILE, LexicalIndex
 from service.errors import BundleError
 from service.runtime.encoder import EncoderConfig
-from service.runtime.index import IndexChoice, chosen_index, load_index
+from service.runtime.index import FaissIndex, IndexChoice, VectorIndex, chosen_index, load_index
+from service.runtime.milvus import MILVUS_STAGE, MilvusIndex
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -51,7 +50,10 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "folm": ("catalog", "lexical", "benchmark", "folm-warmstart"),
     "synthesis": ("catalog", "lexical", "benchmark", "folm"),
     "diffusion": ("catalog", "lexical", "synthesis"),
+    # the catalog loaded into an external engine (`r4t index`): no files, a collection
+    MILVUS_STAGE: ("catalog",),
 }
+ENGINE_TIMEOUT_S = 2.0  # an engine call's bound when the caller sets none
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -292,7 +294,7 @@ class Bundle:
     path: Path
     manifest: dict[str, Any]
     items: ItemStore
-    index: faiss.Index
+    index: VectorIndex
     lexical: LexicalIndex | None = None  # the catalog's BM25 index, when the bundle has one
 
     @property
@@ -308,23 +310,51 @@ class Bundle:
         return name in self.manifest.get("files", {})
 
 
-def load_bundle(bundle_dir: Path, index_choice: IndexChoice | None = None) -> Bundle:
-    """Verify checksums, then load the item store and the index (the bundle's own, or the one
-    `index_choice` builds over its embeddings)."""
+def load_bundle(bundle_dir: Path, index_choice: IndexChoice | None = None,
+                engine_timeout_s: float = ENGINE_TIMEOUT_S) -> Bundle:
+    """Verify checksums, then load the item store and the index (the bundle's own, the one
+    `index_choice` builds over its embeddings, or the engine collection it names)."""
     bundle_dir = Path(bundle_dir)
     manifest = verify_bundle(bundle_dir)
     for needed in (INDEX_FILE, "items.jsonl", "embeddings.npy"):
         if needed not in manifest["files"]:
             raise BundleError(f"bundle {bundle_dir} has no {needed}: run `r4t catalog` first")
     items = ItemStore.load(bundle_dir)
+    served: VectorIndex
+    if index_choice is not None and index_choice.engine:  # the replica holds no index
+        served = engine_index(bundle_dir, manifest, index_choice, engine_timeout_s)
+    else:
+        served = own_index(bundle_dir, items, index_choice)
+    lexical = LexicalIndex(bundle_dir / LEXICAL_FILE) if LEXICAL_FILE in manifest["files"] \
+        else None
+    return Bundle(path=bundle_dir, manifest=manifest, items=items, index=served,
+                  lexical=lexical)
+
+
+def own_index(bundle_dir: Path, items: ItemStore,
+              index_choice: IndexChoice | None) -> FaissIndex:
+    """The bundle's FAISS index, or the one `index_choice` builds over its embeddings."""
     index = load_index(bundle_dir / INDEX_FILE)
     if index.ntotal != len(items) or index.d != items.embeddings.shape[1]:
         raise BundleError(
             f"bundle {bundle_dir}: index holds {index.ntotal}x{index.d}, "
             f"items {items.embeddings.shape}"
         )
-    if index_choice is not None:
-        index = chosen_index(index, items.embeddings, index_choice)
-    lexical = LexicalIndex(bundle_dir / LEXICAL_FILE) if LEXICAL_FILE in manifest["files"] \
-        else None
-    return Bundle(path=bundle_dir, manifest=manifest, items=items, index=index, lexical=lexical)
+    if index_choice is None:
+        return FaissIndex(index, items.metadata)
+    return FaissIndex(chosen_index(index, items.embeddings, index_choice), items.metadata,
+                      index_choice.name)
+
+
+def engine_index(bundle_dir: Path, manifest: dict[str, Any], choice: IndexChoice,
+                 timeout_s: float) -> MilvusIndex:
+    """The engine collection the bundle records, verified to hold its current catalog."""
+    record = manifest.get("stages", {}).get(MILVUS_STAGE)
+    if not record:
+        raise BundleError(f"bundle {bundle_dir} records no Milvus collection: load it with "
+                          "`r4t index milvus://host:port/collection`")
+    if record.get("inputs") != stage_inputs(manifest, MILVUS_STAGE):
+        raise BundleError(f"bundle {bundle_dir}: the catalog changed since it was loaded into "
+                          f"Milvus collection {record.get('collection')!r}: run `r4t index` "
+                          "again")
+    return MilvusIndex.of_record(record, choice.uri, timeout_s)

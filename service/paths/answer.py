@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.paths.resolution import Selection
+from service.runtime.filters import Where
 
 
 @dataclass(frozen=True)
 class PathQuery:
     text: str
     k: int
+    where: Where | None = None  # metadata filter on the returned items
 
 
 @dataclass

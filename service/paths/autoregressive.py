@@ -120,7 +120,8 @@ class AutoregressivePath:
         # A malformed fan-out's missing slots come from the query's own dense neighbours.
         caps: list[int | None] = [None if p.well_formed else 1 for p in parsed]
         selections, grounded = resolve_items(self.bundle.index, probes, queries,
-                                             [q.k for q in batch], caps)
+                                             [q.k for q in batch], caps,
+                                             [q.where for q in batch])
         clock.lap("search")
         answers = []
         for p, group, found, generation, selection, g in zip(

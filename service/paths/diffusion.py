@@ -129,7 +129,8 @@ class DiffusionPath:
         rows = normalize(rows)  # (B, L, d) unit rows: inner product = cosine
         clock.lap("solver")
         selections, grounded = resolve_items(self.bundle.index, list(rows), queries,
-                                             [q.k for q in batch])
+                                             [q.k for q in batch],
+                                             wheres=[q.where for q in batch])
         clock.lap("search")
         answers = []
         for selection, g, probes in zip(selections, grounded.tolist(), rows, strict=True):

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import faiss
 import numpy as np
 
-from service.runtime.index import search
+from service.runtime.filters import Where
+from service.runtime.index import VectorIndex, search
 
 MIN_DEPTH = 16  # neighbours fetched per probe
 
@@ -94,42 +94,45 @@ def fill_from_dense(
 
 
 def resolve_items(
-    index: faiss.Index,
+    index: VectorIndex,
     probes: list[np.ndarray],
     queries: np.ndarray,
     ks: list[int],
     max_rounds: list[int | None] | None = None,
+    wheres: list[Where | None] | None = None,
 ) -> tuple[list[Selection], np.ndarray]:
     """For each query i: probes[i] (P_i, d) → ks[i] distinct items; queries (Q, d) fill gaps.
 
     max_rounds[i] caps the claims per probe of query i (e.g. 1: one item per sub-query,
-    every other slot from the query's dense neighbours).
+    every other slot from the query's dense neighbours); wheres[i] is its metadata filter,
+    applied in every search of its items (the engine's, service.runtime.filters).
     Returns the selections and each query's groundedness: the mean over its probes of
     max(0, cos(probe, nearest item)) (0 when it has no probe).
     """
     caps = max_rounds if max_rounds is not None else [None] * len(ks)
+    filters = wheres if wheres is not None else [None] * len(ks)
     selections: list[Selection] = [Selection() for _ in ks]
     grounded = np.zeros(len(ks), dtype=np.float32)
-    groups: dict[int, list[int]] = defaultdict(list)
+    groups: dict[tuple[int, Where | None], list[int]] = defaultdict(list)
     for i, k in enumerate(ks):
-        groups[k].append(i)
-    for k, members in groups.items():  # one search per distinct k (its depth depends on k)
+        groups[(k, filters[i])].append(i)
+    for (k, where), members in groups.items():  # one search per k (its depth) and filter
         chosen, g = _resolve_same_k(index, [probes[i] for i in members], queries[members], k,
-                                    [caps[i] for i in members])
+                                    [caps[i] for i in members], where)
         for j, i in enumerate(members):
             selections[i], grounded[i] = chosen[j], g[j]
     return selections, grounded
 
 
 def _resolve_same_k(
-    index: faiss.Index, probes: list[np.ndarray], queries: np.ndarray, k: int,
-    caps: list[int | None],
+    index: VectorIndex, probes: list[np.ndarray], queries: np.ndarray, k: int,
+    caps: list[int | None], where: Where | None,
 ) -> tuple[list[Selection], np.ndarray]:
     counts = [len(p) for p in probes]
     depth = probe_depth(min([c for c in counts if c] or [1]), k, index.ntotal)
     stacked = np.concatenate([p for p in probes if len(p)] or [np.zeros((0, queries.shape[1]))])
     if len(stacked):
-        scores, rows = search(index, stacked.astype(np.float32), depth)  # (ΣP, depth)
+        scores, rows = search(index, stacked.astype(np.float32), depth, where)  # (ΣP, depth)
     else:
         scores = np.zeros((0, depth), dtype=np.float32)
         rows = np.zeros((0, depth), dtype=np.int64)
@@ -144,13 +147,14 @@ def _resolve_same_k(
             grounded[i] = float(np.clip(block_scores[:, 0], 0.0, 1.0).mean())
     short = [i for i, s in enumerate(selections) if len(s.rows) < k]
     if short:
-        dense_scores, dense_rows = search(index, queries[short], min(index.ntotal, 2 * k + depth))
+        dense_scores, dense_rows = search(index, queries[short],
+                                          min(index.ntotal, 2 * k + depth), where)
         for j, i in enumerate(short):
             fill_from_dense(selections[i], dense_rows[j], dense_scores[j], k)
     return selections, grounded
 
 
-def first_distinct_rows(index: faiss.Index, rows: np.ndarray, keep: int,
+def first_distinct_rows(index: VectorIndex, rows: np.ndarray, keep: int,
                         context: np.ndarray | None = None) -> np.ndarray:
     """(Q, R, d) rows in priority order → (Q, keep, d): per query, the rows whose items are the
     first `keep` distinct ones; a row whose item an earlier row already has gives way to later

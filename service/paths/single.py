@@ -11,7 +11,7 @@ from service.artifacts.bundle import Bundle
 from service.paths.answer import PathAnswer, PathQuery, StageClock, stamp
 from service.paths.resolution import Selection
 from service.runtime.encoder import Encoder
-from service.runtime.index import search
+from service.runtime.index import search_each
 
 
 class SinglePath:
@@ -21,16 +21,17 @@ class SinglePath:
 
     def __init__(self, bundle: Bundle, encoder: Encoder) -> None:
         self.bundle, self.encoder = bundle, encoder
-        self.providers = ["faiss"]
+        self.providers = [bundle.index.backend]
 
     def describe(self) -> dict[str, Any]:
-        return {"providers": self.providers, "index": type(self.bundle.index).__name__}
+        return {"providers": self.providers, "index": self.bundle.index.describe()}
 
     def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
         clock = StageClock()
         queries = self.encoder.encode([q.text for q in batch])  # (B, d)
         clock.lap("encode")
-        scores, rows = search(self.bundle.index, queries, max(q.k for q in batch))  # (B, k)
+        scores, rows = search_each(self.bundle.index, queries, max(q.k for q in batch),
+                                   [q.where for q in batch])  # (B, k)
         clock.lap("search")
         answers = []
         for query, probe, found, score in zip(batch, queries, rows, scores, strict=True):

@@ -1,18 +1,25 @@
-"""FAISS index over the catalog's item embeddings: exact inner product by default.
+"""The catalog's vector index: the backend interface every path searches, and FAISS in-process.
 
-Any FAISS `index_factory` string (e.g. "HNSW32", "IVF1024,PQ16") can be chosen for large
-catalogs; vectors are unit-norm, so inner product is cosine similarity.
+`VectorIndex` is what retrieval paths, the reward, synthesis and evaluation search through:
+top-k for many vectors at once, optionally under a metadata filter, vectors fetched by row,
+and a health check. Two backends: `FaissIndex` (in-process, any FAISS `index_factory` string,
+e.g. "HNSW32", "IVF1024,PQ16"; exact inner product by default) and
+`service.runtime.milvus.MilvusIndex` (an external engine). Vectors are unit-norm, so inner
+product is cosine similarity.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import faiss
 import numpy as np
 
 from service.errors import BundleError
+from service.runtime.filters import RowFilter, Where
 
 EXACT = "Flat"
 # FAISS's `distance_compute_blas_threshold` picks exact search's kernel; the faiss-cpu wheel
@@ -45,23 +52,125 @@ def build_index(embeddings: np.ndarray, factory: str | None = None) -> faiss.Ind
     return index
 
 
+class VectorIndex(Protocol):
+    """What every path searches: the catalog's rows by inner product."""
+
+    backend: str
+    ntotal: int
+
+    def search(self, queries: np.ndarray, k: int,
+               where: Where | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows), both (Q, k), best first; rows are -1 where fewer match."""
+        ...
+
+    def vectors(self, rows: np.ndarray) -> np.ndarray:
+        """(n, d) float32 stored vectors of catalog rows (n,)."""
+        ...
+
+    def check(self) -> None:
+        """Raise IndexUnavailableError when the index cannot answer now."""
+        ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class FaissIndex:
+    """The catalog in-process: a FAISS index over the bundle's rows; filters select rows by
+    the items' metadata and FAISS searches only those (an IDSelector, inside the search)."""
+
+    backend = "faiss"
+
+    def __init__(self, index: faiss.Index, metadata: Sequence[Mapping[str, object]] = (),
+                 choice: str = "bundle") -> None:
+        self.faiss, self.choice = index, choice
+        self.filter = RowFilter(metadata)
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.faiss.ntotal)
+
+    @property
+    def d(self) -> int:
+        return int(self.faiss.d)
+
+    def search(self, queries: np.ndarray, k: int,
+               where: Where | None = None) -> tuple[np.ndarray, np.ndarray]:
+        use_blas_kernel(len(queries))
+        if not where:
+            scores, rows = self.faiss.search(queries, k)
+            return scores, rows
+        allowed = self.filter.rows(where)  # (M,) kept alive through the search
+        selector = faiss.IDSelectorBatch(allowed)
+        scores, rows = self.faiss.search(queries, k, params=self._params(selector))
+        short = np.flatnonzero((rows < 0).sum(axis=1) > max(0, k - len(allowed)))
+        if len(short):  # a graph index can miss a sparse filter's rows: search them exactly
+            scores[short], rows[short] = self._exact_among(queries[short], k, allowed)
+        return scores, rows
+
+    def _exact_among(self, queries: np.ndarray, k: int,
+                     allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top-k among `allowed` rows (M,), as Milvus does for a selective filter."""
+        sims = queries @ self.vectors(allowed).T  # (Q, M)
+        top = np.argsort(-sims, axis=1, kind="stable")[:, :k]  # (Q, ≤ k)
+        scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+        rows = np.full((len(queries), k), -1, dtype=np.int64)
+        scores[:, : top.shape[1]] = np.take_along_axis(sims, top, axis=1)
+        rows[:, : top.shape[1]] = allowed[top]
+        return scores, rows
+
+    def _params(self, selector: faiss.IDSelector) -> faiss.SearchParameters:
+        """Search parameters carrying the selector and the index's own search-time settings
+        (FAISS would otherwise search HNSW at efSearch 16, IVF at nprobe 1)."""
+        index = self.faiss
+        if isinstance(index, faiss.IndexHNSW):
+            return faiss.SearchParametersHNSW(sel=selector, efSearch=index.hnsw.efSearch)
+        if isinstance(index, faiss.IndexIVF):
+            return faiss.SearchParametersIVF(sel=selector, nprobe=index.nprobe)
+        return faiss.SearchParameters(sel=selector)
+
+    def vectors(self, rows: np.ndarray) -> np.ndarray:
+        return self.faiss.reconstruct_batch(np.asarray(rows, dtype=np.int64))
+
+    def check(self) -> None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.backend, "index": type(self.faiss).__name__,
+                "choice": self.choice, "rows": self.ntotal}
+
+
+MILVUS = "milvus"
+
+
 @dataclass(frozen=True)
 class IndexChoice:
     """The index every path searches: the bundle's own (`factory` empty: exact, as built), or
     one FAISS's index_factory builds at load over the bundle's embeddings (e.g. "HNSW32"),
     so an approximate index is chosen at serving time without rebuilding the bundle;
-    `params` are its search-time parameters (a ParameterSpace string, e.g. "efSearch=128")."""
+    `params` are its search-time parameters (a ParameterSpace string, e.g. "efSearch=128").
+    "milvus" is the collection the bundle records (`r4t index`), at its recorded URI or at
+    `uri` ("milvus://host:port"): replicas then hold no index."""
 
     factory: str = ""
     params: str = ""
+    uri: str = ""
 
     @property
     def name(self) -> str:
+        if self.factory == MILVUS:
+            return self.uri or MILVUS
         return "/".join(p for p in (self.factory or "bundle", self.params) if p)
+
+    @property
+    def engine(self) -> bool:
+        return self.factory == MILVUS
 
     @classmethod
     def parse(cls, name: str) -> IndexChoice:
-        """The inverse of `name`: "bundle", "HNSW32", "HNSW32/efSearch=128"."""
+        """The inverse of `name`: "bundle", "HNSW32", "HNSW32/efSearch=128", "milvus",
+        "milvus://host:19530"."""
+        if name == MILVUS or name.startswith(f"{MILVUS}://"):
+            return cls(MILVUS, uri="" if name == MILVUS else name)
         factory, _, params = name.partition("/")
         return cls("" if factory == "bundle" else factory, params)
 
@@ -98,18 +207,37 @@ def load_index(path: Path) -> faiss.Index:
     return faiss.read_index(str(path))
 
 
-def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def as_index(index: VectorIndex | faiss.Index) -> VectorIndex:
+    """A backend as is; a bare FAISS index (as `build_index` returns) in-process, unfiltered."""
+    return FaissIndex(index) if isinstance(index, faiss.Index) else index
+
+
+def search(index: VectorIndex | faiss.Index, queries: np.ndarray, k: int,
+           where: Where | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Top-k by inner product: (scores, rows), both (Q, k); rows are -1 where fewer exist."""
     vectors = np.ascontiguousarray(queries, dtype=np.float32)
     if vectors.ndim != 2:
         raise ValueError(f"queries must be (Q, D), got shape {vectors.shape}")
     k = min(k, index.ntotal)
-    use_blas_kernel(len(vectors))
-    scores, rows = index.search(vectors, k)
+    scores, rows = as_index(index).search(vectors, k, where)
     return scores, rows.astype(np.int64, copy=False)
 
 
-def neighbour_rows(index: faiss.Index, queries: np.ndarray, n: int) -> np.ndarray:
+def search_each(index: VectorIndex, queries: np.ndarray, k: int,
+                wheres: Sequence[Where | None]) -> tuple[np.ndarray, np.ndarray]:
+    """`search` with a filter per query (Q,): one search per distinct filter."""
+    if not any(wheres):
+        return search(index, queries, k)
+    k = min(k, index.ntotal)
+    scores = np.empty((len(queries), k), dtype=np.float32)  # (Q, k)
+    rows = np.empty((len(queries), k), dtype=np.int64)  # (Q, k)
+    for where in dict.fromkeys(wheres):
+        members = [i for i, w in enumerate(wheres) if w == where]
+        scores[members], rows[members] = search(index, queries[members], k, where)
+    return scores, rows
+
+
+def neighbour_rows(index: VectorIndex | faiss.Index, queries: np.ndarray, n: int) -> np.ndarray:
     """(Q, n) catalog rows of each query's n nearest items, best first.
 
     Where the index finds fewer than n (a catalog smaller than n, or an approximate index),
@@ -130,7 +258,7 @@ def neighbour_rows(index: faiss.Index, queries: np.ndarray, n: int) -> np.ndarra
     return out
 
 
-def neighbourhood(index: faiss.Index, embeddings: np.ndarray, queries: np.ndarray,
+def neighbourhood(index: VectorIndex | faiss.Index, embeddings: np.ndarray, queries: np.ndarray,
                   n: int) -> np.ndarray:
     """(Q, n, d) embeddings of each query's n nearest catalog items, best first."""
     rows = neighbour_rows(index, queries, n)  # (Q, n)

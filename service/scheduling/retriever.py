@@ -21,6 +21,7 @@ from service.artifacts.bundle import Bundle, load_bundle
 from service.errors import (
     BundleError,
     DeadlineError,
+    IndexUnavailableError,
     OverloadError,
     R4TError,
     UnavailableError,
@@ -34,6 +35,7 @@ from service.paths.diffusion import DiffusionPath, Sampler
 from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
 from service.runtime.faults import FaultySampler
+from service.runtime.filters import metadata_fields, where_of
 from service.runtime.index import IndexChoice, set_threads
 from service.runtime.openai_backend import OpenAICompletionBackend, OpenAIConfig
 from service.scheduling.batching import Batcher, Completed, describe
@@ -146,6 +148,7 @@ class Retriever:
     ) -> None:
         self.settings, self.metrics, self.bundle = settings, metrics, bundle
         self.paths, self.problems = paths, problems
+        self.filter_fields = metadata_fields(bundle.items.metadata)
         self.batchers: dict[str, Batcher[PathQuery, PathAnswer]] = {}
         self.router = Router(settings.route_weights, set(paths), settings.seed)
         self.warm = False
@@ -156,7 +159,8 @@ class Retriever:
     ) -> Retriever:
         """Verify and load a bundle and its runtimes (blocking: call it off the event loop)."""
         set_threads(settings.faiss_threads)
-        bundle = load_bundle(bundle_dir, IndexChoice.parse(settings.index))
+        bundle = load_bundle(bundle_dir, IndexChoice.parse(settings.index),
+                             settings.index_timeout_s)
         encoder = Encoder(bundle.encoder_config)
         paths, problems = load_paths(settings, bundle, encoder, loaders)
         if not paths:
@@ -251,7 +255,8 @@ class Retriever:
         """Answer one request by its arm, falling back from diffusion to AR when needed."""
         started = time.monotonic()
         assignment = self.router.assign(request.user_id, request.route)
-        query = PathQuery(request.query, request.k)
+        query = PathQuery(request.query, request.k,
+                          where_of(request.filter, self.filter_fields))
         route, reason, timings = assignment.route, None, {}
         completed: Completed[PathAnswer] | None = None
         try:
@@ -294,8 +299,8 @@ class Retriever:
             return None, "unavailable"
         try:  # a busy diffusion path refuses (429): the slower AR path would not do better
             completed = await batcher.submit(query, deadline)
-        except (OverloadError, DeadlineError):
-            raise
+        except (OverloadError, DeadlineError, IndexUnavailableError):
+            raise  # nor would any other route without the index
         except Exception as exc:
             log.warning("diffusion path failed, falling back to AR: %s: %s",
                         type(exc).__name__, exc)

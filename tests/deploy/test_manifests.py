@@ -102,3 +102,21 @@ def test_termination_grace_outlasts_the_drain_and_the_readiness_probe():
     assert drain > probe["periodSeconds"] * probe["failureThreshold"]  # unready before closing
     # never killed mid-answer: the drain, the grace, then each route's queue closing
     assert pod["terminationGracePeriodSeconds"] > drain + grace + CLOSE_GRACE_S
+
+
+def test_the_milvus_overlay_serves_from_the_engine_with_real_settings():
+    overlay = yaml.safe_load((DEPLOY / "k8s" / "milvus" / "kustomization.yaml").read_text())
+    assert overlay["resources"] == [".."]
+    ops = yaml.safe_load(overlay["patches"][0]["patch"])
+    data = {op["path"].rsplit("/", 1)[1]: op["value"] for op in ops}
+    assert data["R4T_INDEX"].startswith("milvus://")
+    settings = Settings(**{k.removeprefix("R4T_").lower(): v for k, v in data.items()})
+    assert settings.index_timeout_s < 5  # the readiness probe's period notices an outage
+
+
+def test_the_compose_milvus_profile_uses_the_engines_own_images():
+    services = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    engine = {name: s for name, s in services.items() if "milvus" in s.get("profiles", [])}
+    assert {"r4t-milvus", "milvus", "etcd", "minio"} <= set(engine)
+    assert all("image" in s and "build" not in s for n, s in engine.items() if n != "r4t-milvus")
+    assert services["r4t-milvus"]["environment"]["R4T_INDEX"] == "milvus"

@@ -405,7 +405,9 @@ def make_settings(bundle: Path, completion: CompletionServer | None, **overrides
         "routes": "diffusion=0.5,ar=0.5", "admin_token": ADMIN_TOKEN,
         "openai_base_url": completion.url if completion else None,
         "openai_backoff_s": 0.01, "groundedness_threshold": 0.0,
-        "index": "bundle",  # the harness's index: served answers compare with its own
+        # the harness's index, so served answers compare with its own; R4T_INDEX=milvus
+        # serves the same catalog from the engine (tests/conftest.py loads it there)
+        "index": "milvus" if os.environ.get("R4T_INDEX", "").startswith("milvus") else "bundle",
     }
     return Settings(**{**base, **overrides})
 

@@ -18,11 +18,12 @@ import numpy as np
 from tqdm import tqdm
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
+from service.errors import BundleError
 from service.paths.answer import PathQuery
 from service.paths.diffusion import DiffusionPath
 from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
-from service.runtime.index import IndexChoice, chosen_index
+from service.runtime.index import FaissIndex, IndexChoice, chosen_index
 from service.runtime.sampler import DiffusionSampler
 from training.data.splits import load_split
 from training.evaluation.harness import evaluate
@@ -59,22 +60,29 @@ def point(bundle: Bundle, choice: str, split: str, k: int, seeds: int,
             "diffusion_search": search_ms(diffusion, texts, k)}
 
 
+def own_faiss(index: Any) -> faiss.Index:
+    if not isinstance(index, FaissIndex):
+        raise BundleError("the index curve compares FAISS indexes over the bundle's rows")
+    return index.faiss
+
+
 def index_curve(bundle_dir: Path, split: str = "test", choices: tuple[str, ...] = CHOICES,
                 k: int = 10, seeds: int = 4) -> dict[str, Any]:
     """One point per index choice; each built index is reused across its search parameters."""
     own = load_bundle(bundle_dir)
     encoder = Encoder(own.encoder_config)
-    built: dict[str, Any] = {"": own.index}
+    built: dict[str, Any] = {"": own_faiss(own.index)}
     points = []
     for name in tqdm(choices, desc=f"index curve/{split}", unit="index"):
         choice = IndexChoice.parse(name)
         if choice.factory not in built:
-            built[choice.factory] = chosen_index(own.index, own.items.embeddings,
+            built[choice.factory] = chosen_index(built[""], own.items.embeddings,
                                                  IndexChoice(choice.factory))
         index = chosen_index(faiss.clone_index(built[choice.factory]), own.items.embeddings,
                              IndexChoice("", choice.params))  # a copy: params never carry over
         started = time.perf_counter()
-        points.append(point(dataclasses.replace(own, index=index), name, split, k, seeds,
+        served = FaissIndex(index, own.items.metadata, name)
+        points.append(point(dataclasses.replace(own, index=served), name, split, k, seeds,
                             encoder))
         points[-1]["seconds"] = time.perf_counter() - started
     exact = next((p["diffusion"]["coverage@10"] for p in points if p["index"] == "bundle"), None)

@@ -30,11 +30,12 @@ class _Partial:
     """An index that, like an approximate one, finds fewer than asked (-1 elsewhere)."""
 
     ntotal = 10
+    backend = "partial"
 
     def __init__(self, found: list[list[int]]) -> None:
         self.found = np.array(found, dtype=np.int64)
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: np.ndarray, k: int, where=None) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(self.found.shape, np.float32), self.found
 
 
@@ -82,8 +83,9 @@ def test_an_index_chosen_at_load_searches_the_bundles_rows(small_bundle_dir):
 
     exact = load_bundle(small_bundle_dir)
     chosen = load_bundle(small_bundle_dir, IndexChoice.parse("HNSW16/efSearch=256"))
-    assert type(exact.index).__name__ == "IndexFlatIP"
-    assert type(chosen.index).__name__ == "IndexHNSWFlat" and chosen.index.hnsw.efSearch == 256
+    assert type(exact.index.faiss).__name__ == "IndexFlatIP"
+    assert type(chosen.index.faiss).__name__ == "IndexHNSWFlat"
+    assert chosen.index.faiss.hnsw.efSearch == 256
     queries = exact.items.embeddings[::50]  # (Q, d)
     _, want = search(exact.index, queries, 10)
     _, got = search(chosen.index, queries, 10)

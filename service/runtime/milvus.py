@@ -1,0 +1,138 @@
+"""The catalog in Milvus: the `VectorIndex` backend for an external engine (pymilvus's
+`MilvusClient`), so that replicas hold no index and a catalog may outgrow one machine.
+
+The same code serves Milvus Lite (one machine, tests), Milvus standalone and a cluster: only
+the URI differs. `r4t index milvus://host:port/collection` loads a bundle's catalog into a
+collection (`training.data.engine`) and records it in the bundle's manifest (stage "milvus":
+URI, collection, the catalog's checksum). Opening verifies that the collection holds that
+catalog (its `r4t.checksum` property, its row count and dimension) and refuses any other.
+Every call carries a timeout: an engine that is down or slow is an `IndexUnavailableError`
+(503 with the reason), never a hang; the client is rebuilt after a failure, so the service
+recovers as soon as the engine answers again.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from service.errors import BundleError, IndexUnavailableError
+from service.runtime.filters import Where, expression
+
+MILVUS_STAGE = "milvus"
+CHECKSUM_PROPERTY = "r4t.checksum"
+ROW_FIELD, VECTOR_FIELD = "row", "vector"
+DEFAULT_PORT = 19530
+
+
+def engine_address(uri: str) -> tuple[str, str]:
+    """"milvus://host:port/collection" → ("http://host:port", collection or "")."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("milvus", "http", "https") or not parts.hostname:
+        raise BundleError(f"engine URI {uri!r}: expected milvus://host:port[/collection]")
+    scheme = "https" if parts.scheme == "https" else "http"
+    return f"{scheme}://{parts.hostname}:{parts.port or DEFAULT_PORT}", parts.path.strip("/")
+
+
+def engine_reason(exc: BaseException) -> str:
+    """pymilvus's message without its code prefix and the gRPC debug dump."""
+    text = str(getattr(exc, "message", "") or exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+class MilvusIndex:
+    """One verified Milvus collection holding the bundle's catalog, rows as primary keys."""
+
+    backend = "milvus"
+
+    def __init__(self, address: str, collection: str, checksum: str, rows: int, dim: int,
+                 timeout_s: float) -> None:
+        self.address, self.collection, self.checksum = address, collection, checksum
+        self.ntotal, self.d, self.timeout_s = int(rows), int(dim), float(timeout_s)
+        self._client: Any = None
+        self._lock = threading.Lock()  # one client build at a time
+        self.verify()
+
+    @classmethod
+    def of_record(cls, record: dict[str, Any], uri: str, timeout_s: float) -> MilvusIndex:
+        """From the bundle's "milvus" stage record; `uri` ("milvus://host:port") overrides the
+        recorded engine address (the same collection seen from elsewhere, e.g. a pod)."""
+        address = engine_address(uri)[0] if uri else str(record["address"])
+        return cls(address, str(record["collection"]), str(record["checksum"]),
+                   int(record["rows"]), int(record["dim"]), timeout_s)
+
+    def _connect(self) -> Any:
+        from pymilvus import MilvusClient  # only a bundle served from Milvus needs it
+
+        return self._call(lambda: MilvusClient(uri=self.address, timeout=self.timeout_s))
+
+    def client(self) -> Any:
+        """The connected client, the collection loaded: on first use and after a failure,
+        since an engine that restarted may hold the collection released."""
+        with self._lock:
+            if self._client is None:
+                client = self._connect()
+                self._call(lambda: client.load_collection(self.collection,
+                                                          timeout=self.timeout_s))
+                self._client = client
+            return self._client
+
+    def _call(self, work: Any) -> Any:
+        try:
+            return work()
+        except Exception as exc:  # pymilvus raises MilvusException and gRPC errors alike
+            self._client = None  # the next call connects afresh
+            raise IndexUnavailableError(f"milvus at {self.address}: "
+                                        f"{engine_reason(exc)}") from exc
+
+    def verify(self) -> None:
+        """Refuse a collection that does not hold this bundle's catalog (BundleError)."""
+        client = self._connect()
+        if not self._call(lambda: client.has_collection(self.collection,
+                                                        timeout=self.timeout_s)):
+            raise BundleError(f"milvus at {self.address} has no collection "
+                              f"{self.collection!r}: run `r4t index` to load it")
+        found = self._call(lambda: client.describe_collection(self.collection,
+                                                              timeout=self.timeout_s))
+        held = (found.get("properties") or {}).get(CHECKSUM_PROPERTY)
+        stats = self._call(lambda: client.get_collection_stats(self.collection,
+                                                               timeout=self.timeout_s))
+        rows = int(stats.get("row_count", -1))
+        if held != self.checksum or rows != self.ntotal:
+            raise BundleError(
+                f"milvus collection {self.collection!r} does not match the bundle: checksum "
+                f"{held} with {rows} rows, the bundle's {self.checksum} with {self.ntotal}")
+        self.client()
+
+    def search(self, queries: np.ndarray, k: int,
+               where: Where | None = None) -> tuple[np.ndarray, np.ndarray]:
+        client = self.client()
+        hits = self._call(lambda: client.search(
+            self.collection, data=queries.tolist(), limit=k, output_fields=[ROW_FIELD],
+            filter=expression(where) if where else "",
+            search_params={"metric_type": "IP"}, timeout=self.timeout_s))
+        scores = np.full((len(queries), k), -np.inf, dtype=np.float32)  # (Q, k)
+        rows = np.full((len(queries), k), -1, dtype=np.int64)  # (Q, k)
+        for i, found in enumerate(hits):
+            for j, hit in enumerate(found[:k]):
+                rows[i, j], scores[i, j] = int(hit[ROW_FIELD]), float(hit["distance"])
+        return scores, rows
+
+    def vectors(self, rows: np.ndarray) -> np.ndarray:
+        client, wanted = self.client(), [int(r) for r in rows]
+        found = self._call(lambda: client.get(self.collection, ids=wanted,
+                                              output_fields=[VECTOR_FIELD],
+                                              timeout=self.timeout_s))
+        by_row = {int(f[ROW_FIELD]): f[VECTOR_FIELD] for f in found}
+        return np.asarray([by_row[r] for r in wanted], dtype=np.float32).reshape(-1, self.d)
+
+    def check(self) -> None:
+        client = self.client()
+        self._call(lambda: client.get_load_state(self.collection, timeout=self.timeout_s))
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.backend, "address": self.address,
+                "collection": self.collection, "rows": self.ntotal}
