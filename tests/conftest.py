@@ -90,6 +90,8 @@ class MilvusEngine:
     def start(self) -> None:
         from pymilvus import MilvusClient
 
+        from service.runtime.milvus import CLIENT_OPTIONS
+
         self.process = subprocess.Popen(
             [sys.executable, "-m", "milvus_lite", "server", "--data-dir", str(self.data_dir),
              "--host", "127.0.0.1", "--port", str(self.port)],
@@ -97,7 +99,9 @@ class MilvusEngine:
         stop = time.monotonic() + ENGINE_WAIT_S
         while True:
             try:
-                MilvusClient(uri=self.address, timeout=1.0).list_collections(timeout=1.0)
+                client = MilvusClient(uri=self.address, timeout=1.0, **CLIENT_OPTIONS)
+                client.list_collections(timeout=1.0)
+                client.close()
                 return
             except Exception:
                 if time.monotonic() > stop or self.process.poll() is not None:

@@ -13,6 +13,7 @@ recovers as soon as the engine answers again.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +27,11 @@ MILVUS_STAGE = "milvus"
 CHECKSUM_PROPERTY = "r4t.checksum"
 ROW_FIELD, VECTOR_FIELD = "row", "vector"
 DEFAULT_PORT = 19530
+# Each replica its own connection (a shared one keeps a broken channel across reconnects), and
+# no keep-alive pings while idle: every call has its own deadline, and an engine that allows
+# no idle pings (Milvus Lite, gRPC's default) ends the channel with "too many pings".
+CLIENT_OPTIONS = {"dedicated": True, "grpc_options": {
+    "grpc.keepalive_permit_without_calls": 0, "grpc.keepalive_time_ms": 300_000}}
 
 
 def engine_address(uri: str) -> tuple[str, str]:
@@ -67,7 +73,8 @@ class MilvusIndex:
     def _connect(self) -> Any:
         from pymilvus import MilvusClient  # only a bundle served from Milvus needs it
 
-        return self._call(lambda: MilvusClient(uri=self.address, timeout=self.timeout_s))
+        return self._call(lambda: MilvusClient(uri=self.address, timeout=self.timeout_s,
+                                               **CLIENT_OPTIONS))
 
     def client(self) -> Any:
         """The connected client, the collection loaded: on first use and after a failure,
@@ -84,13 +91,27 @@ class MilvusIndex:
         try:
             return work()
         except Exception as exc:  # pymilvus raises MilvusException and gRPC errors alike
-            self._client = None  # the next call connects afresh
+            self._drop_client()  # the next call connects afresh
             raise IndexUnavailableError(f"milvus at {self.address}: "
                                         f"{engine_reason(exc)}") from exc
 
+    def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
     def verify(self) -> None:
         """Refuse a collection that does not hold this bundle's catalog (BundleError)."""
-        client = self._connect()
+        client = self._connect()  # closed when done: self.client() keeps its own
+        try:
+            self._check_collection(client)
+        finally:
+            with contextlib.suppress(Exception):
+                client.close()
+        self.client()
+
+    def _check_collection(self, client: Any) -> None:
         if not self._call(lambda: client.has_collection(self.collection,
                                                         timeout=self.timeout_s)):
             raise BundleError(f"milvus at {self.address} has no collection "
@@ -105,7 +126,6 @@ class MilvusIndex:
             raise BundleError(
                 f"milvus collection {self.collection!r} does not match the bundle: checksum "
                 f"{held} with {rows} rows, the bundle's {self.checksum} with {self.ntotal}")
-        self.client()
 
     def search(self, queries: np.ndarray, k: int,
                where: Where | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -20,6 +20,7 @@ from service.artifacts.items import ItemStore
 from service.errors import BundleError
 from service.runtime.milvus import (
     CHECKSUM_PROPERTY,
+    CLIENT_OPTIONS,
     MILVUS_STAGE,
     ROW_FIELD,
     VECTOR_FIELD,
@@ -83,8 +84,11 @@ def load_into_milvus(bundle_dir: Path, uri: str, index_type: str = "FLAT") -> di
     items = ItemStore.load(bundle_dir)
     started = time.monotonic()
     try:
-        client = MilvusClient(uri=address, timeout=LOAD_TIMEOUT_S)
-        fill_collection(client, name, items, index_type, checksum)
+        client = MilvusClient(uri=address, timeout=LOAD_TIMEOUT_S, **CLIENT_OPTIONS)
+        try:
+            fill_collection(client, name, items, index_type, checksum)
+        finally:
+            client.close()
     except BundleError:
         raise
     except Exception as exc:  # the engine's own errors, with its reason
