@@ -21,9 +21,6 @@ def _catalog_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index-factory", default=None, help="FAISS factory string, e.g. HNSW32")
     parser.add_argument("--seed", type=int, default=0, help="benchmark split seed")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
-    parser.add_argument("--index", default=None, metavar="URI",
-                        help="also load the catalog into this engine collection, as `r4t "
-                             "index` (milvus://host:port/collection)")
 
 
 def _catalog_config(args: argparse.Namespace):  # -> training.pipeline.CatalogConfig
@@ -122,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     catalog = sub.add_parser("catalog", help="build the catalog, index and benchmark stages")
     _catalog_args(catalog)
+    catalog.add_argument("--index", default=None, metavar="URI",
+                         help="also load the catalog into this engine collection, as `r4t "
+                              "index` (milvus://host:port/collection)")
     catalog.set_defaults(func=cmd_catalog)
 
     bundle = sub.add_parser("bundle", help="build or complete every stage of a bundle")

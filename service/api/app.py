@@ -53,6 +53,7 @@ from service.errors import (
     UnavailableError,
 )
 from service.metrics import Metrics
+from service.runtime.index import IndexChoice
 from service.scheduling.batching import yield_to_the_loop
 from service.scheduling.retriever import Loaders, Retriever
 from service.settings import Settings
@@ -60,6 +61,7 @@ from service.settings import Settings
 log = logging.getLogger("r4t.app")
 T = TypeVar("T")
 GATE_HEADROOM = 1.5  # the gate admits this many times the concurrency answered successfully
+ENGINE_RETRY_S = 2.0  # how often a start-up refused for its index engine being down retries
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -227,18 +229,23 @@ class ServiceState:
             log.error("start-up failed: %s", self.startup_error)
 
     async def watch(self) -> None:
-        """Reload the served bundle when its manifest changes (a stage landed); a bundle that
-        was absent or refused at start-up is loaded once it can be."""
+        """Reload the served bundle when its manifest changes (a stage landed; with watch_s);
+        a bundle that was absent or refused at start-up is loaded once it can be, and one
+        refused because its index engine was down, once the engine answers."""
         seen = self.manifest_stamp()
         while True:
-            await asyncio.sleep(self.settings.watch_s)
+            await asyncio.sleep(self.settings.watch_s or ENGINE_RETRY_S)
             stamp = self.manifest_stamp()
             busy = self.startup == "loading" or (self.reload_task is not None
                                                  and not self.reload_task.done())
-            if stamp == seen or stamp is None or busy:
+            engine_down = self.retriever is None and (self.startup_error or "").startswith(
+                IndexUnavailableError.__name__)  # retried until the engine answers
+            changed = self.settings.watch_s > 0 and stamp not in (seen, None)
+            if busy or not (engine_down or changed):
                 continue
             seen = stamp
-            log.info("bundle changed on disk, reloading", extra={"info": {"stamp": stamp}})
+            log.info("bundle changed on disk or its index engine was down, reloading",
+                     extra={"info": {"stamp": stamp}})
             self.reload_task = asyncio.create_task(self.do_reload(self.served_path()))
             await asyncio.shield(self.reload_task)
 
@@ -332,7 +339,9 @@ def create_app(settings: Settings | None = None, loaders: Loaders | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         starting = asyncio.create_task(state.start())
-        watching = [asyncio.create_task(state.watch())] if settings.watch_s > 0 else []
+        retries = IndexChoice.parse(settings.index).engine  # a start with the engine down
+        watching = [asyncio.create_task(state.watch())] if settings.watch_s > 0 or retries \
+            else []
         yield
         tasks = [starting, *watching, *state.retiring]
         if state.reload_task is not None:

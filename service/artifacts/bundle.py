@@ -341,9 +341,9 @@ def own_index(bundle_dir: Path, items: ItemStore,
             f"items {items.embeddings.shape}"
         )
     if index_choice is None:
-        return FaissIndex(index, items.metadata)
+        return FaissIndex(index, items.metadata, embeddings=items.embeddings)
     return FaissIndex(chosen_index(index, items.embeddings, index_choice), items.metadata,
-                      index_choice.name)
+                      index_choice.name, items.embeddings)
 
 
 def engine_index(bundle_dir: Path, manifest: dict[str, Any], choice: IndexChoice,

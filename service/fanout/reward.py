@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
-import faiss
 import numpy as np
 
-from service.runtime.index import search
+from service.runtime.index import VectorIndex, search
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,7 @@ def reward_terms(
 
 
 def score_probes(
-    index: faiss.Index,
+    index: VectorIndex,
     item_embeddings: np.ndarray,
     query: np.ndarray,
     probes: np.ndarray,

@@ -8,6 +8,7 @@ boolean expression), so a filtered query still gets its k best matches, not k be
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -16,8 +17,11 @@ import numpy as np
 from service.errors import InputError
 
 Scalar = str | int | float | bool
-Where = tuple[tuple[str, Scalar], ...]  # sorted (field, value) pairs
+# sorted (field, type name, value): the type keeps `true` and `1` apart, which Python's
+# equality would not, so two such filters never share a batch's search
+Where = tuple[tuple[str, str, Scalar], ...]
 FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+INT64 = 2**63
 
 
 def where_of(mapping: Mapping[str, Scalar] | None, fields: Iterable[str]) -> Where | None:
@@ -35,12 +39,15 @@ def where_of(mapping: Mapping[str, Scalar] | None, fields: Iterable[str]) -> Whe
                              f"(fields: {listed})")
         if not isinstance(value, Scalar):
             raise InputError(f"filter value of {name!r} must be a string, number or boolean")
-    return tuple(sorted(mapping.items()))
+        if (isinstance(value, float) and not math.isfinite(value)) or (
+                isinstance(value, int) and not -INT64 <= value < INT64):
+            raise InputError(f"filter value of {name!r} must be finite and fit in 64 bits")
+    return tuple(sorted((name, type(value).__name__, value) for name, value in mapping.items()))
 
 
 def expression(where: Where) -> str:
     """Milvus's boolean expression for a filter: `a == "x" and b == 2`."""
-    return " and ".join(f"{name} == {literal(value)}" for name, value in where)
+    return " and ".join(f"{name} == {literal(value)}" for name, _, value in where)
 
 
 def literal(value: Scalar) -> str:
@@ -67,7 +74,7 @@ class RowFilter:
     def rows(self, where: Where) -> np.ndarray:
         """(M,) int64 sorted rows whose metadata has every (field, value) of `where`."""
         out: np.ndarray | None = None
-        for name, value in where:
+        for name, _, value in where:
             found = self._values(name).get(_key(value), np.zeros(0, dtype=np.int64))
             out = found if out is None else np.intersect1d(out, found, assume_unique=True)
         return out if out is not None else np.arange(len(self.metadata), dtype=np.int64)

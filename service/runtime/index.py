@@ -81,8 +81,8 @@ class FaissIndex:
     backend = "faiss"
 
     def __init__(self, index: faiss.Index, metadata: Sequence[Mapping[str, object]] = (),
-                 choice: str = "bundle") -> None:
-        self.faiss, self.choice = index, choice
+                 choice: str = "bundle", embeddings: np.ndarray | None = None) -> None:
+        self.faiss, self.choice, self.embeddings = index, choice, embeddings
         self.filter = RowFilter(metadata)
 
     @property
@@ -101,7 +101,10 @@ class FaissIndex:
             return scores, rows
         allowed = self.filter.rows(where)  # (M,) kept alive through the search
         selector = faiss.IDSelectorBatch(allowed)
-        scores, rows = self.faiss.search(queries, k, params=self._params(selector))
+        params = self._params(selector)
+        if params is None:  # a type FAISS cannot filter inside: exact among the rows
+            return self._exact_among(queries, k, allowed)
+        scores, rows = self.faiss.search(queries, k, params=params)
         short = np.flatnonzero((rows < 0).sum(axis=1) > max(0, k - len(allowed)))
         if len(short):  # a graph index can miss a sparse filter's rows: search them exactly
             scores[short], rows[short] = self._exact_among(queries[short], k, allowed)
@@ -110,7 +113,9 @@ class FaissIndex:
     def _exact_among(self, queries: np.ndarray, k: int,
                      allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k among `allowed` rows (M,), as Milvus does for a selective filter."""
-        sims = queries @ self.vectors(allowed).T  # (Q, M)
+        stored = self.embeddings[allowed] if self.embeddings is not None \
+            else self.vectors(allowed)  # (M, d): the catalog's own rows when held
+        sims = queries @ stored.T  # (Q, M)
         top = np.argsort(-sims, axis=1, kind="stable")[:, :k]  # (Q, ≤ k)
         scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
         rows = np.full((len(queries), k), -1, dtype=np.int64)
@@ -118,15 +123,18 @@ class FaissIndex:
         rows[:, : top.shape[1]] = allowed[top]
         return scores, rows
 
-    def _params(self, selector: faiss.IDSelector) -> faiss.SearchParameters:
+    def _params(self, selector: faiss.IDSelector) -> faiss.SearchParameters | None:
         """Search parameters carrying the selector and the index's own search-time settings
-        (FAISS would otherwise search HNSW at efSearch 16, IVF at nprobe 1)."""
+        (FAISS would otherwise search HNSW at efSearch 16, IVF at nprobe 1); None for a type
+        that takes none (a transform or refinement wrapper)."""
         index = self.faiss
         if isinstance(index, faiss.IndexHNSW):
             return faiss.SearchParametersHNSW(sel=selector, efSearch=index.hnsw.efSearch)
         if isinstance(index, faiss.IndexIVF):
             return faiss.SearchParametersIVF(sel=selector, nprobe=index.nprobe)
-        return faiss.SearchParameters(sel=selector)
+        if isinstance(index, faiss.IndexFlat):
+            return faiss.SearchParameters(sel=selector)
+        return None
 
     def vectors(self, rows: np.ndarray) -> np.ndarray:
         return self.faiss.reconstruct_batch(np.asarray(rows, dtype=np.int64))

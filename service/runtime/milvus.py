@@ -1,11 +1,12 @@
 """The catalog in Milvus: the `VectorIndex` backend for an external engine (pymilvus's
-`MilvusClient`), so that replicas hold no index and a catalog may outgrow one machine.
+`MilvusClient`), so that replicas hold no index (they keep the item store: texts, metadata and
+the embeddings that the diffusion context and name grounding read).
 
 The same code serves Milvus Lite (one machine, tests), Milvus standalone and a cluster: only
 the URI differs. `r4t index milvus://host:port/collection` loads a bundle's catalog into a
 collection (`training.data.engine`) and records it in the bundle's manifest (stage "milvus":
-URI, collection, the catalog's checksum). Opening verifies that the collection holds that
-catalog (its `r4t.checksum` property, its row count and dimension) and refuses any other.
+URI, collection, the catalog's checksum). Every connection verifies that the collection holds
+that catalog (its `r4t.checksum` property and its row count) and refuses any other.
 Every call carries a timeout: an engine that is down or slow is an `IndexUnavailableError`
 (503 with the reason), never a hang; the client is rebuilt after a failure, so the service
 recovers as soon as the engine answers again.
@@ -43,6 +44,11 @@ def engine_address(uri: str) -> tuple[str, str]:
     return f"{scheme}://{parts.hostname}:{parts.port or DEFAULT_PORT}", parts.path.strip("/")
 
 
+def close(client: Any) -> None:
+    with contextlib.suppress(Exception):
+        client.close()
+
+
 def engine_reason(exc: BaseException) -> str:
     """pymilvus's message without its code prefix and the gRPC debug dump."""
     text = str(getattr(exc, "message", "") or exc).strip().splitlines()
@@ -59,7 +65,7 @@ class MilvusIndex:
         self.address, self.collection, self.checksum = address, collection, checksum
         self.ntotal, self.d, self.timeout_s = int(rows), int(dim), float(timeout_s)
         self._client: Any = None
-        self._lock = threading.Lock()  # one client build at a time
+        self._lock = threading.RLock()  # one client build at a time
         self.verify()
 
     @classmethod
@@ -77,38 +83,39 @@ class MilvusIndex:
                                                **CLIENT_OPTIONS))
 
     def client(self) -> Any:
-        """The connected client, the collection loaded: on first use and after a failure,
-        since an engine that restarted may hold the collection released."""
+        """The connected client, the collection checked and loaded: on first use and after a
+        failure, since an engine that restarted may hold the collection released, or another."""
         with self._lock:
             if self._client is None:
                 client = self._connect()
-                self._call(lambda: client.load_collection(self.collection,
-                                                          timeout=self.timeout_s))
+                try:
+                    self._check_collection(client)
+                    self._call(lambda: client.load_collection(self.collection,
+                                                              timeout=self.timeout_s))
+                except Exception:
+                    close(client)
+                    raise
                 self._client = client
             return self._client
 
-    def _call(self, work: Any) -> Any:
+    def _call(self, work: Any, client: Any = None) -> Any:
         try:
             return work()
         except Exception as exc:  # pymilvus raises MilvusException and gRPC errors alike
-            self._drop_client()  # the next call connects afresh
+            if client is not None:
+                self._drop(client)  # the next call connects afresh
             raise IndexUnavailableError(f"milvus at {self.address}: "
                                         f"{engine_reason(exc)}") from exc
 
-    def _drop_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                client.close()
+    def _drop(self, failed: Any) -> None:
+        """Forget `failed` if it is still the client (another thread may have replaced it)."""
+        with self._lock:
+            if self._client is failed:
+                self._client = None
+        close(failed)
 
     def verify(self) -> None:
         """Refuse a collection that does not hold this bundle's catalog (BundleError)."""
-        client = self._connect()  # closed when done: self.client() keeps its own
-        try:
-            self._check_collection(client)
-        finally:
-            with contextlib.suppress(Exception):
-                client.close()
         self.client()
 
     def _check_collection(self, client: Any) -> None:
@@ -133,7 +140,7 @@ class MilvusIndex:
         hits = self._call(lambda: client.search(
             self.collection, data=queries.tolist(), limit=k, output_fields=[ROW_FIELD],
             filter=expression(where) if where else "",
-            search_params={"metric_type": "IP"}, timeout=self.timeout_s))
+            search_params={"metric_type": "IP"}, timeout=self.timeout_s), client)
         scores = np.full((len(queries), k), -np.inf, dtype=np.float32)  # (Q, k)
         rows = np.full((len(queries), k), -1, dtype=np.int64)  # (Q, k)
         for i, found in enumerate(hits):
@@ -145,13 +152,18 @@ class MilvusIndex:
         client, wanted = self.client(), [int(r) for r in rows]
         found = self._call(lambda: client.get(self.collection, ids=wanted,
                                               output_fields=[VECTOR_FIELD],
-                                              timeout=self.timeout_s))
+                                              timeout=self.timeout_s), client)
         by_row = {int(f[ROW_FIELD]): f[VECTOR_FIELD] for f in found}
         return np.asarray([by_row[r] for r in wanted], dtype=np.float32).reshape(-1, self.d)
 
     def check(self) -> None:
         client = self.client()
-        self._call(lambda: client.get_load_state(self.collection, timeout=self.timeout_s))
+        state = self._call(lambda: client.get_load_state(self.collection,
+                                                         timeout=self.timeout_s), client)
+        if "Loaded" not in str(state.get("state", "")):
+            self._drop(client)  # the next call loads it again
+            raise IndexUnavailableError(f"milvus at {self.address}: collection "
+                                        f"{self.collection!r} is {state.get('state')}")
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.backend, "address": self.address,

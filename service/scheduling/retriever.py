@@ -305,8 +305,9 @@ class Retriever:
             log.warning("diffusion path failed, falling back to AR: %s: %s",
                         type(exc).__name__, exc)
             return None, "error"
-        if completed.result.groundedness < self.settings.groundedness_threshold:
-            return None, "quality"
+        if query.where is None and \
+                completed.result.groundedness < self.settings.groundedness_threshold:
+            return None, "quality"  # under a filter, rows sit farther from the allowed items
         return completed, None
 
     def _response(

@@ -120,3 +120,6 @@ def test_the_compose_milvus_profile_uses_the_engines_own_images():
     assert {"r4t-milvus", "milvus", "etcd", "minio"} <= set(engine)
     assert all("image" in s and "build" not in s for n, s in engine.items() if n != "r4t-milvus")
     assert services["r4t-milvus"]["environment"]["R4T_INDEX"] == "milvus"
+    # the image's ENTRYPOINT is `r4t serve`: loading first needs its own entrypoint
+    assert "r4t --bundle /app/models/default index milvus://" in \
+        services["r4t-milvus"]["entrypoint"][-1]

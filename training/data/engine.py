@@ -4,7 +4,7 @@ and record it in the bundle (stage "milvus"), so that `R4T_INDEX=milvus` serves 
 The collection's primary key is the catalog row, its vector the item's embedding (inner
 product), and the items' metadata its dynamic fields, so request filters run in the engine.
 Its `r4t.checksum` property is the catalog stage's hash; the service refuses a collection
-whose checksum, size or dimension differ from its bundle's (service.runtime.milvus).
+whose checksum or size differ from its bundle's (service.runtime.milvus).
 """
 
 from __future__ import annotations
@@ -65,7 +65,16 @@ def fill_collection(client: Any, name: str, items: ItemStore, index_type: str,
                 {**metadata[row], ROW_FIELD: row, VECTOR_FIELD: items.embeddings[row].tolist()}
                 for row in range(start, stop)], timeout=LOAD_TIMEOUT_S)
             bar.update(stop - start)
+    client.flush(name, timeout=LOAD_TIMEOUT_S)  # a server counts rows of flushed segments
     client.load_collection(name, timeout=LOAD_TIMEOUT_S)
+
+
+def check_metadata(items: ItemStore) -> None:
+    """Refuse metadata fields that would overwrite the collection's own."""
+    taken = {ROW_FIELD, VECTOR_FIELD} & {k for record in items.metadata for k in record}
+    if taken:
+        raise BundleError(f"catalog metadata fields {sorted(taken)} clash with the "
+                          "collection's own fields; rename them in the catalog")
 
 
 def load_into_milvus(bundle_dir: Path, uri: str, index_type: str = "FLAT") -> dict[str, Any]:
@@ -82,6 +91,7 @@ def load_into_milvus(bundle_dir: Path, uri: str, index_type: str = "FLAT") -> di
     if checksum is None:
         raise BundleError(f"bundle {bundle_dir} has no catalog: run `r4t catalog` first")
     items = ItemStore.load(bundle_dir)
+    check_metadata(items)
     started = time.monotonic()
     try:
         client = MilvusClient(uri=address, timeout=LOAD_TIMEOUT_S, **CLIENT_OPTIONS)

@@ -81,7 +81,7 @@ def index_curve(bundle_dir: Path, split: str = "test", choices: tuple[str, ...] 
         index = chosen_index(faiss.clone_index(built[choice.factory]), own.items.embeddings,
                              IndexChoice("", choice.params))  # a copy: params never carry over
         started = time.perf_counter()
-        served = FaissIndex(index, own.items.metadata, name)
+        served = FaissIndex(index, own.items.metadata, name, own.items.embeddings)
         points.append(point(dataclasses.replace(own, index=served), name, split, k, seeds,
                             encoder))
         points[-1]["seconds"] = time.perf_counter() - started

@@ -45,10 +45,10 @@ def test_a_filter_is_applied_in_the_index_k_items_when_k_match(engine_bundle, ch
     bundle = load_bundle(engine_bundle, IndexChoice.parse(choice))
     shelf = {r: m["shelf"] for r, m in enumerate(bundle.items.metadata)}
     queries = bundle.items.embeddings[:3]  # benchmark items: their neighbours are too
-    _, rows = search(bundle.index, queries, 10, (("shelf", "distractor"),))
+    _, rows = search(bundle.index, queries, 10, (("shelf", "str", "distractor"),))
     assert (rows >= 0).all() and {shelf[r] for r in rows.ravel()} == {"distractor"}
     lemma = bundle.items.metadata[5]["lemma"]
-    _, rows = search(bundle.index, queries[:1], 10, (("lemma", lemma),))
+    _, rows = search(bundle.index, queries[:1], 10, (("lemma", "str", lemma),))
     found = rows[0][rows[0] >= 0]
     assert len(found) >= 1 and all(bundle.items.metadata[r]["lemma"] == lemma for r in found)
 
@@ -129,3 +129,21 @@ def test_a_bundle_without_a_collection_says_how_to_load_one(small_bundle_dir, tm
     with pytest.raises(BundleError, match="r4t index"):
         load_bundle(bare, IndexChoice.parse("milvus"))
     assert httpx  # imported for the live server's client
+
+
+def test_a_service_started_while_the_engine_is_down_serves_once_it_is_up(
+        engine_bundle, settings_for, milvus_engine):
+    settings = settings_for(engine_bundle, index="milvus", index_timeout_s=1.0, watch_s=0.2)
+    milvus_engine.stop()
+    try:
+        with live_server(settings, ready=False) as live, live.client() as client:
+            wait_until(lambda: client.get("/readyz").json().get("reason") is not None,
+                       "start-up refused")
+            assert IndexUnavailableError.__name__ in client.get("/readyz").json()["reason"]
+            milvus_engine.start()
+            wait_until(lambda: client.get("/readyz").status_code == 200, "ready once up")
+            answer = client.post("/v1/retrieve", json={"query": "dog", "route": "single"})
+            assert answer.status_code == 200, answer.text
+    finally:
+        if milvus_engine.process is None or milvus_engine.process.poll() is not None:
+            milvus_engine.start()
