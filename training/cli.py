@@ -117,14 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE, help="bundle folder")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    catalog = sub.add_parser("catalog", help="build the catalog, index and benchmark stages")
+    # no abbreviations: `--index` (an engine) must never read as `--index-factory` (FAISS)
+    catalog = sub.add_parser("catalog", help="build the catalog, index and benchmark stages",
+                             allow_abbrev=False)
     _catalog_args(catalog)
     catalog.add_argument("--index", default=None, metavar="URI",
                          help="also load the catalog into this engine collection, as `r4t "
                               "index` (milvus://host:port/collection)")
     catalog.set_defaults(func=cmd_catalog)
 
-    bundle = sub.add_parser("bundle", help="build or complete every stage of a bundle")
+    bundle = sub.add_parser("bundle", help="build or complete every stage of a bundle",
+                            allow_abbrev=False)
     _catalog_args(bundle)
     bundle.add_argument("--preset", default="cpu", choices=("cpu", "tiny"),
                         help="stages 1-3: every stage's cpu preset (default) or tiny (seconds)")

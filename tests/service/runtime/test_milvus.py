@@ -147,3 +147,22 @@ def test_a_service_started_while_the_engine_is_down_serves_once_it_is_up(
     finally:
         if milvus_engine.process is None or milvus_engine.process.poll() is not None:
             milvus_engine.start()
+
+
+def test_under_a_filter_the_groundedness_gate_does_not_send_diffusion_to_ar(settings_for):
+    with live_server(settings_for(groundedness_threshold=0.999)) as live, \
+            live.client() as client:
+        body = {"query": "bird", "route": "diffusion", "filter": {"shelf": "distractor"}}
+        answer = client.post("/v1/retrieve", json=body).json()
+        assert answer["route"] == "diffusion" and not answer["fallback"]["used"]
+        plain = client.post("/v1/retrieve", json={"query": "bird", "route": "diffusion"}).json()
+        assert plain["fallback"] == {"used": True, "reason": "quality"}  # the gate still holds
+
+
+def test_the_engine_is_loaded_from_the_catalog_command_only():
+    from training.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["catalog", "--index", "milvus://h:1/c"]).index == "milvus://h:1/c"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bundle", "--index", "milvus://h:1/c"])
