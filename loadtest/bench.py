@@ -35,7 +35,7 @@ from service.runtime.index import IndexChoice
 from service.runtime.sampler import DiffusionSampler
 from service.scheduling.retriever import ar_path
 from service.settings import Settings
-from training.commands import OFFLINE_ENGINE_TIMEOUT_S, positive_list
+from training.commands import positive_list
 
 BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 REPEATS = 3  # per batch size and path; the fastest run is reported
@@ -103,7 +103,7 @@ def compute_s(clock: dict[str, float]) -> float:
 def diffusion_path(bundle_dir: Path, threads: int, encoder: Encoder | None = None,
                    index: str | None = None) -> DiffusionPath:
     choice = IndexChoice.parse(index or Settings(bundle=bundle_dir).index)
-    bundle = load_bundle(bundle_dir, choice, OFFLINE_ENGINE_TIMEOUT_S)
+    bundle = load_bundle(bundle_dir, choice)
     sampler = DiffusionSampler(bundle_dir / "diffusion", threads=threads)
     return DiffusionPath(bundle, encoder or Encoder(bundle.encoder_config), sampler, seed=0)
 

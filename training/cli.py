@@ -9,7 +9,7 @@ from pathlib import Path
 from service.errors import R4TError
 from service.fanout.trie import DECODINGS
 from service.settings import Settings
-from training.commands import OFFLINE_ENGINE_TIMEOUT_S, positive, register_diffusion
+from training.commands import positive, register_diffusion
 
 DEFAULT_BUNDLE = Path("models/default")
 
@@ -89,7 +89,7 @@ def evaluate_methods(args: argparse.Namespace) -> None:
     )
 
     index = args.index or Settings(bundle=args.bundle).index
-    bundle = load_bundle(args.bundle, IndexChoice.parse(index), OFFLINE_ENGINE_TIMEOUT_S)
+    bundle = load_bundle(args.bundle, IndexChoice.parse(index))
     encoder = Encoder(bundle.encoder_config)
     names = sorted(METHODS) if args.method == "all" else args.method.split(",")
     for name in names:

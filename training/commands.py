@@ -9,10 +9,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-# An engine call's bound offline: evaluation and the benchmark search thousand-row pools or
-# thousand-query batches at once, which a serving deadline (R4T_INDEX_TIMEOUT_S) is not sized for.
-OFFLINE_ENGINE_TIMEOUT_S = 300.0
-
 
 def subcommand_group(
     sub: argparse._SubParsersAction, name: str, help_text: str

@@ -53,7 +53,9 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     # the catalog loaded into an external engine (`r4t index`): no files, a collection
     MILVUS_STAGE: ("catalog",),
 }
-ENGINE_TIMEOUT_S = 2.0  # an engine call's bound when the caller sets none
+# An engine call's bound for offline callers (eval, bench), whose pools and batches are large;
+# the service passes its serving deadline (R4T_INDEX_TIMEOUT_S).
+ENGINE_TIMEOUT_S = 300.0
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -340,10 +342,9 @@ def own_index(bundle_dir: Path, items: ItemStore,
             f"bundle {bundle_dir}: index holds {index.ntotal}x{index.d}, "
             f"items {items.embeddings.shape}"
         )
-    if index_choice is None:
-        return FaissIndex(index, items.metadata, embeddings=items.embeddings)
-    return FaissIndex(chosen_index(index, items.embeddings, index_choice), items.metadata,
-                      index_choice.name, items.embeddings)
+    choice = index_choice or IndexChoice()  # the bundle's own
+    return FaissIndex(chosen_index(index, items.embeddings, choice), items.metadata,
+                      choice.name, items.embeddings)
 
 
 def engine_index(bundle_dir: Path, manifest: dict[str, Any], choice: IndexChoice,

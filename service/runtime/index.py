@@ -89,16 +89,11 @@ class FaissIndex:
     def ntotal(self) -> int:
         return int(self.faiss.ntotal)
 
-    @property
-    def d(self) -> int:
-        return int(self.faiss.d)
-
     def search(self, queries: np.ndarray, k: int,
                where: Where | None = None) -> tuple[np.ndarray, np.ndarray]:
         use_blas_kernel(len(queries))
         if not where:
-            scores, rows = self.faiss.search(queries, k)
-            return scores, rows
+            return self.faiss.search(queries, k)
         allowed = self.filter.rows(where)  # (M,) kept alive through the search
         selector = faiss.IDSelectorBatch(allowed)
         params = self._params(selector)

@@ -66,7 +66,7 @@ class MilvusIndex:
         self.ntotal, self.d, self.timeout_s = int(rows), int(dim), float(timeout_s)
         self._client: Any = None
         self._lock = threading.RLock()  # one client build at a time
-        self.verify()
+        self.client()  # connects, refuses a collection not the bundle's (BundleError)
 
     @classmethod
     def of_record(cls, record: dict[str, Any], uri: str, timeout_s: float) -> MilvusIndex:
@@ -113,10 +113,6 @@ class MilvusIndex:
             if self._client is failed:
                 self._client = None
         close(failed)
-
-    def verify(self) -> None:
-        """Refuse a collection that does not hold this bundle's catalog (BundleError)."""
-        self.client()
 
     def _check_collection(self, client: Any) -> None:
         if not self._call(lambda: client.has_collection(self.collection,

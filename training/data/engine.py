@@ -99,8 +99,6 @@ def load_into_milvus(bundle_dir: Path, uri: str, index_type: str = "FLAT") -> di
             fill_collection(client, name, items, index_type, checksum)
         finally:
             client.close()
-    except BundleError:
-        raise
     except Exception as exc:  # the engine's own errors, with its reason
         raise BundleError(f"milvus at {address}: {engine_reason(exc)}") from exc
     config = {"address": address, "collection": name, "index_type": index_type}
