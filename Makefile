@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install system-deps bundle eval serve test lint bench scale loadtest overload soak chaos \
-        clean-bundle
+        clean-bundle gpu-bundle gpu-smoke
 
 install: $(STAMP)
 
@@ -72,6 +72,19 @@ soak: bundle
 # injected sampler faults (+ the alert in promtool), AR endpoint down/slow, leaving clients.
 chaos: bundle
 	$(PY) -m loadtest.chaos --bundle $(BUNDLE) --out loadtest/results/chaos
+
+# The accelerator recipe (docs/gpu.md): stages 1-3 from a local LLM checkpoint, INIT=<folder>,
+# on every GPU torch sees (GRPO under `accelerate launch` past one; vLLM where installed).
+GPU_BUNDLE ?= models/gpu
+gpu-bundle: install
+	@[ -n "$(INIT)" ] || { echo "usage: make gpu-bundle INIT=<local HF checkpoint folder>"; exit 2; }
+	$(R4T) --bundle $(GPU_BUNDLE) bundle --preset gpu --init $(INIT)
+
+# The same recipe in minutes from a tiny random checkpoint written here: CPU or GPU.
+gpu-smoke: install
+	[ -f models/gpu-smoke-init/config.json ] || \
+	  $(PY) -m training.stage1_fanout.random_init models/gpu-smoke-init
+	$(R4T) --bundle models/gpu-smoke bundle --preset gpu-smoke --init models/gpu-smoke-init
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -49,9 +49,10 @@ def cmd_index(args: argparse.Namespace) -> None:
 
 def cmd_bundle(args: argparse.Namespace) -> None:
     """Every stage in order, each rebuilt only when it is not current (see the plan printed)."""
-    from training.pipeline import build_bundle
+    from training.pipeline import build_bundle, stage_configs
 
-    build_bundle(args.bundle, _catalog_config(args), force=args.force, presets=args.preset)
+    build_bundle(args.bundle, _catalog_config(args), force=args.force,
+                 presets=stage_configs(args.preset, args.init))
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -129,8 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     bundle = sub.add_parser("bundle", help="build or complete every stage of a bundle",
                             allow_abbrev=False)
     _catalog_args(bundle)
-    bundle.add_argument("--preset", default="cpu", choices=("cpu", "tiny"),
-                        help="stages 1-3: every stage's cpu preset (default) or tiny (seconds)")
+    bundle.add_argument("--preset", default="cpu", choices=("cpu", "tiny", "gpu", "gpu-smoke"),
+                        help="stages 1-3: every stage's cpu preset (%(default)s), tiny "
+                             "(seconds), or the accelerator recipe from --init: gpu, gpu-smoke "
+                             "(docs/gpu.md)")
+    bundle.add_argument("--init", default=None, metavar="DIR",
+                        help="stage 1 starts from this local Hugging Face causal-LM "
+                             "checkpoint (e.g. a Qwen3) instead of training a warm start")
     bundle.set_defaults(func=cmd_bundle)
 
     index = sub.add_parser("index", help="load the bundle's catalog into a Milvus collection "

@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from training.device import DEVICES
+
 
 def subcommand_group(
     sub: argparse._SubParsersAction, name: str, help_text: str
@@ -86,6 +88,8 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--run-dir", type=Path, default=None,
                        help="checkpoint dir (default: <bundle>/runs/diffusion)")
     train.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
+    train.add_argument("--device", default="auto", choices=DEVICES,
+                       help="auto: CUDA when torch sees a GPU (default: %(default)s)")
     train.set_defaults(func=lazy("training.stage3_diffusion.trainer", "cmd_train_diffusion"))
 
     export = subcommand_group(sub, "export", "export trained models into the bundle").add_parser(

@@ -20,9 +20,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +52,7 @@ from service.runtime.encoder import Encoder, EncoderConfig
 from service.runtime.index import build_index, save_index
 from training.data.catalog import WORDNET, Catalog, load_catalog
 from training.data.splits import read_benchmark_file, split_queries, wordnet_queries, write_splits
+from training.device import device_of, distributed
 
 if TYPE_CHECKING:  # stages 1-3 import torch: only when they are built
     from training.stage1_fanout.grpo import GrpoConfig
@@ -62,8 +65,11 @@ MODELS_DIR = Path("models")
 EMBED_CHUNK = 4096
 CATALOG_STAGES = ("catalog", "lexical", "benchmark")
 PIPELINE = (*CATALOG_STAGES, "folm-warmstart", "folm", "synthesis", "diffusion")
-BUNDLE_PRESETS = ("cpu", "tiny")
+BUNDLE_PRESETS = ("cpu", "tiny", "gpu", "gpu-smoke")
+LLM_PRESETS = ("gpu", "gpu-smoke")  # the accelerator recipe (docs/gpu.md): they need an init
 RUN_KEY = "build-key.json"  # in a stage's run folder: the config and inputs it was started for
+GPU_DIFFUSION_STEPS = 200_000  # the paper preset's batch of 512, ~1 epoch of 100M blocks
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
 
 
 @dataclass(frozen=True)
@@ -94,10 +100,13 @@ class StageConfigs:
     diffusion: TrainConfig
     export: ExportConfig
     threads: int = 1  # torch threads of the exports and the denoiser's training
+    # a local HF causal-LM checkpoint stage 1 starts from instead of the warm start it trains
+    init: str | None = None
 
 
-def stage_configs(preset: str = "cpu") -> StageConfigs:
-    """Every stage's preset `preset` (cpu: the default bundle; tiny: tests, seconds)."""
+def stage_configs(preset: str = "cpu", init: str | Path | None = None) -> StageConfigs:
+    """Every stage's preset `preset` (cpu: the default bundle; tiny: tests, seconds; gpu:
+    the accelerator recipe from the LLM `init`, gpu-smoke: the same in seconds)."""
     from training.stage1_fanout.grpo import GRPO_PRESETS
     from training.stage1_fanout.warmstart import WARMSTART_PRESETS
     from training.stage2_synthesis.synthesis import SYNTHESIS_PRESETS
@@ -106,9 +115,20 @@ def stage_configs(preset: str = "cpu") -> StageConfigs:
 
     if preset not in BUNDLE_PRESETS:
         raise ValueError(f"unknown bundle preset {preset!r}; available: {BUNDLE_PRESETS}")
-    return StageConfigs(warmstart=WARMSTART_PRESETS[preset], grpo=GRPO_PRESETS[preset],
-                        synthesis=SYNTHESIS_PRESETS[preset], diffusion=train_preset(preset),
-                        export=ExportConfig())
+    if preset in LLM_PRESETS and init is None:
+        raise BundleError(f"the {preset} preset trains a pretrained causal LM: name its local "
+                          "checkpoint folder with --init (docs/gpu.md)")
+    if init is not None and not (Path(init) / "config.json").is_file():
+        raise BundleError(f"--init {init}: no Hugging Face checkpoint there (config.json)")
+    small = preset in ("tiny", "gpu-smoke")
+    diffusion = train_preset("tiny" if small else "paper" if preset == "gpu" else "cpu")
+    if preset == "gpu":  # the paper's denoiser, for a measured-length run (docs/gpu.md)
+        diffusion = replace(diffusion, steps=GPU_DIFFUSION_STEPS)
+    return StageConfigs(warmstart=WARMSTART_PRESETS["tiny" if small else "cpu"],
+                        grpo=GRPO_PRESETS[preset], synthesis=SYNTHESIS_PRESETS[preset],
+                        diffusion=diffusion, export=ExportConfig(),
+                        threads=8 if preset == "gpu" else 1,
+                        init=None if init is None else str(Path(init).resolve()))
 
 
 def stage_keys(catalog: CatalogConfig, configs: StageConfigs | None = None) -> dict[str, dict]:
@@ -122,13 +142,26 @@ def stage_keys(catalog: CatalogConfig, configs: StageConfigs | None = None) -> d
         from training.stage2_synthesis.synthesis import synthesis_stage_config
         from training.stage3_diffusion.export import diffusion_stage_config
 
-        keys["folm-warmstart"] = policy_stage_config(
-            asdict(configs.warmstart), asdict(POLICY_PRESETS[configs.warmstart.preset]))
+        keys["folm-warmstart"] = init_key(Path(configs.init)) if configs.init else \
+            policy_stage_config(asdict(configs.warmstart),
+                                asdict(POLICY_PRESETS[configs.warmstart.preset]))
         keys["folm"] = policy_stage_config(asdict(configs.grpo))
         keys["synthesis"] = synthesis_stage_config(configs.synthesis)
         keys["diffusion"] = diffusion_stage_config(configs.export,
                                                    config_hash(configs.diffusion.to_dict()))
     return keys
+
+
+def init_key(init: Path) -> dict[str, Any]:
+    """What the `folm-warmstart` stage of a bundle trained from `init` is current by: the
+    checkpoint's place, config and the size and time of each weight file (hashing a 4B
+    model's weights at every plan would take a minute), and the prompt it is given."""
+    from training.stage1_fanout.policy import foreign_policy
+
+    files = sorted(path for path in init.iterdir() if path.suffix in WEIGHT_SUFFIXES)
+    return {"init": {"path": str(init), "config_sha256": sha256_file(init / "config.json"),
+                     "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]},
+            "policy": foreign_policy()}
 
 
 def plan_stages(
@@ -350,10 +383,14 @@ def _build_benchmark(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build_warmstart(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Stage 1a: the warm start (`r4t train folm --warmstart-only`), exported to ONNX."""
+    """Stage 1a: the warm start (`r4t train folm --warmstart-only`), exported to ONNX; with
+    an init, that checkpoint as it is (the reference GRPO's KL holds the policy to)."""
     from training.stage1_fanout.warmstart import WARMSTART_RUN, warm_start
 
     configs = _configs(build)
+    if configs.init:
+        return _export_policy(build, Path(configs.init), "folm-warmstart",
+                              build.keys["folm-warmstart"])
     run_dir = _run_dir(build, manifest, "folm-warmstart", build.bundle_dir / "runs" / WARMSTART_RUN)
     final = warm_start(build.bundle_dir, configs.warmstart, run_dir)
     return _export_policy(build, final, "folm-warmstart")
@@ -365,10 +402,26 @@ def _build_folm(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     from training.stage1_fanout.warmstart import FINAL, WARMSTART_RUN
 
     configs = _configs(build)
-    init = _checkpoint(build.bundle_dir / "runs" / WARMSTART_RUN / FINAL, "folm-warmstart")
+    init = Path(configs.init) if configs.init else \
+        _checkpoint(build.bundle_dir / "runs" / WARMSTART_RUN / FINAL, "folm-warmstart")
     run_dir = _run_dir(build, manifest, "folm", run_dir_for(build.bundle_dir, configs.grpo.reward))
-    final = train_grpo(build.bundle_dir, configs.grpo, init, run_dir)
+    device = device_of()
+    if device.count > 1 and not distributed():
+        _launch_grpo(build, configs.grpo.preset, init, device.count)
+        final = _checkpoint(run_dir / FINAL, "folm")
+    else:
+        final = train_grpo(build.bundle_dir, configs.grpo, init, run_dir, device=device.kind)
     return _export_policy(build, final, "folm")
+
+
+def _launch_grpo(build: _Build, preset: str, init: Path, gpus: int) -> None:
+    """GRPO data-parallel over every GPU: `r4t train folm` under `accelerate launch`, into
+    the run folder this build prepared (the preset's)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes",
+               str(gpus), "-m", "training.cli", "--bundle", str(build.bundle_dir), "train",
+               "folm", "--preset", preset, "--init", str(init)]
+    print("== " + " ".join(command), flush=True)
+    subprocess.run(command, check=True)
 
 
 def _build_synthesis(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -404,7 +457,8 @@ def _build_diffusion(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(configs.threads)
     run_dir = _run_dir(build, manifest, "diffusion", build.bundle_dir / "runs" / RUN_NAME,
                        configs.diffusion.to_dict())
-    train_on_bundle(build.bundle_dir, configs.diffusion, run_dir=run_dir)
+    train_on_bundle(build.bundle_dir, configs.diffusion, run_dir=run_dir,
+                    device=device_of().torch)
     export_diffusion(build.bundle_dir, run_dir / CHECKPOINT, configs.export)
     return read_manifest(build.bundle_dir)
 
@@ -422,13 +476,14 @@ def _configs(build: _Build) -> StageConfigs:
     return build.configs
 
 
-def _export_policy(build: _Build, checkpoint: Path, name: str) -> dict[str, Any]:
+def _export_policy(build: _Build, checkpoint: Path, name: str,
+                   key: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch
 
     from training.stage1_fanout.export import commit_policy
 
     torch.set_num_threads(_configs(build).threads)
-    commit_policy(build.bundle_dir, checkpoint, name)
+    commit_policy(build.bundle_dir, checkpoint, name, key)
     return read_manifest(build.bundle_dir)
 
 

@@ -73,6 +73,13 @@ def line_grammar(logits: np.ndarray, newlines: np.ndarray, lines: np.ndarray,
     return masked
 
 
+def lines_regex(k: int) -> str:
+    """`line_grammar` as one regular expression, for engines that take a regex and no logits
+    processor (vLLM's structured outputs): k lines with text, an optional last line break."""
+    line = r"[^\n]*[^\s][^\n]*"
+    return rf"(?:{line}\n){{{k - 1}}}{line}\n?"
+
+
 class FanoutDecoder:
     """ONNX Runtime decoder of a fan-out LM; no torch."""
 

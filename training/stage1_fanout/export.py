@@ -23,6 +23,7 @@ from service.runtime.decoding import FOLM_CONFIG, MODEL_FILE, TOKENIZER_FILE
 from training.commands import subcommand_group
 
 OPSET = 18
+PROTOBUF_LIMIT = 1_800_000_000  # bytes of fp32 weights one model.onnx holds (2 GB, less slack)
 FOLDERS = {"folm": "folm", "folm-warmstart": "folm-warmstart"}
 
 
@@ -72,8 +73,11 @@ def cache_shape(config: Any) -> tuple[int, int]:
 
 
 def export_onnx(model: Any, path: Path) -> None:
-    """torch.onnx dynamo export with dynamic batch, new-token and past lengths."""
+    """torch.onnx dynamo export with dynamic batch, new-token and past lengths; the weights
+    of a model past protobuf's 2 GB go to `model.onnx.data` beside it."""
     import torch
+
+    from training.stage1_fanout.policy import n_params
 
     model.eval()
     wrapper = cached_decoder(model).eval()
@@ -104,7 +108,7 @@ def export_onnx(model: Any, path: Path) -> None:
             input_names=["input_ids", "attention_mask", "position_ids", *names],
             output_names=["logits", *outs], opset_version=OPSET, external_data=False,
         )
-    program.save(str(path))
+    program.save(str(path), external_data=n_params(model) * 4 > PROTOBUF_LIMIT)
 
 
 def trained_decoding(meta: dict[str, Any]) -> str:
@@ -166,16 +170,18 @@ def policy_stage_config(training: dict[str, Any],
     return {"training": training} if policy is None else {"training": training, "policy": policy}
 
 
-def commit_policy(bundle_dir: Path, checkpoint: Path, name: str) -> dict[str, Any]:
-    """Export `checkpoint` and commit it as the bundle stage/folder `name`."""
+def commit_policy(bundle_dir: Path, checkpoint: Path, name: str,
+                  key: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Export `checkpoint` and commit it as the bundle stage/folder `name`, current by `key`
+    (default: the checkpoint's training config, `policy_stage_config`)."""
     from training.stage1_fanout.policy import policy_meta
 
     started = time.perf_counter()
     folder = FOLDERS[name]
     manifest = read_manifest(bundle_dir)
     meta = policy_meta(checkpoint)
-    key = policy_stage_config(meta.get("config", {}),
-                              meta.get("policy") if name == "folm-warmstart" else None)
+    key = key or policy_stage_config(meta.get("config", {}),
+                                     meta.get("policy") if name == "folm-warmstart" else None)
     record = {
         "config": key, "config_hash": config_hash(key), "checkpoint": str(checkpoint),
         "training_wall_s": meta.get("wall_s"), "training_ledger": meta.get("ledger"),
@@ -183,8 +189,9 @@ def commit_policy(bundle_dir: Path, checkpoint: Path, name: str) -> dict[str, An
     }
     with stage(bundle_dir, manifest, folder, record) as staged:
         config = export_folder(checkpoint, staged / folder)
+        files = sorted(path.name for path in (staged / folder).iterdir())  # + external data
         record.update(exported=config, wall_s=round(time.perf_counter() - started, 2),
-                      files=[f"{folder}/{f}" for f in (MODEL_FILE, TOKENIZER_FILE, FOLM_CONFIG)])
+                      files=[f"{folder}/{f}" for f in files])
     print(f"exported {checkpoint} -> {bundle_dir / folder} ({config['params']:,} params)")
     return config
 

@@ -12,6 +12,11 @@ the policy sampled from (training/stage1_fanout/grpo_trainer.py).
 Ablations: `--reward ground`, `ground+align` or `all` select which of the paper's terms count;
 `--reward ablation` runs the three and writes their report (training/stage1_fanout/ablation.py).
 
+On a GPU (`training.device`) the same run trains in bfloat16 with activation checkpointing,
+samples through TRL's vLLM engine (colocated) when `vllm` is installed and the decoding is one
+regular expression ("lines", "free"), and spreads over every GPU under `accelerate launch`
+(docs/gpu.md). `--init` starts from any local HF causal-LM checkpoint instead of the warm start.
+
 Run directory `models/<bundle>/runs/folm-<reward>/`: config.json, checkpoint-*/ (resumable),
 final/ (HF checkpoint), curves.json and curves.png.
 """
@@ -34,9 +39,12 @@ from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.format import ParsedFanout, PromptBuilder, item_names, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.fanout.reward import RewardTerms, RewardWeights, score_probes
+from service.fanout.trie import NAME_SCOPES
+from service.runtime.decoding import lines_regex
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
 from training.commands import given
+from training.device import Device
 
 REWARD_MODES: dict[str, tuple[str, ...]] = {
     "ground": ("ground",),
@@ -84,6 +92,15 @@ GRPO_PRESETS: dict[str, GrpoConfig] = {
     "tiny": GrpoConfig(preset="tiny", steps=1, queries_per_step=2, num_generations=4,
                        save_steps=1, threads=1, lr=1e-2, warmup_steps=0),
     "cpu": GrpoConfig(),
+    # A pretrained LLM from --init (docs/gpu.md): free lines, so that it may name what the
+    # prompt's 24 neighbours do not (issue 17), sampled by vLLM where installed; an LLM's
+    # full fine-tune takes a far smaller step than our 1.4M-parameter policy.
+    "gpu": GrpoConfig(preset="gpu", steps=500, queries_per_step=16, lr=1e-6, warmup_steps=20,
+                      decoding="lines", save_steps=100, threads=8),
+    # the recipe in seconds, from any checkpoint: names from the prompt, which even an
+    # untrained one completes (free lines from random weights seldom end)
+    "gpu-smoke": GrpoConfig(preset="gpu-smoke", steps=1, queries_per_step=2, num_generations=4,
+                            save_steps=1, lr=1e-5, warmup_steps=0),
 }
 
 
@@ -245,37 +262,56 @@ def run_dir_for(bundle_dir: Path, mode: str) -> Path:
     return bundle_dir / "runs" / f"folm-{name}"
 
 
-def trl_config(config: GrpoConfig, run_dir: Path, max_new_tokens: int, weights: list[float]):
-    """GRPOConfig with the CPU overrides of NOTES.md (fp32, no checkpointing, no reporting)."""
+def trl_config(config: GrpoConfig, run_dir: Path, max_new_tokens: int, weights: list[float],
+               device: Device, k: int):
+    """GRPOConfig: on the CPU the overrides of NOTES.md (fp32, no checkpointing); on a GPU
+    bfloat16 where it computes, activation checkpointing and vLLM sampling (`vllm_of`)."""
     from trl import GRPOConfig
 
+    gpu = device.kind == "cuda"
     return GRPOConfig(
         output_dir=str(run_dir), max_steps=config.steps, learning_rate=config.lr,
         per_device_train_batch_size=config.queries_per_step * config.num_generations,
         num_generations=config.num_generations, max_completion_length=max_new_tokens,
         temperature=config.temperature, beta=config.beta, reward_weights=weights,
         logging_steps=1, save_steps=config.save_steps, save_total_limit=2, seed=config.seed,
-        bf16=False, fp16=False, activation_checkpointing=False, use_cpu=True, report_to="none",
-        dataloader_num_workers=0, lr_scheduler_type="constant_with_warmup",
+        bf16=device.bf16, fp16=False, activation_checkpointing=gpu, use_cpu=not gpu,
+        report_to="none", dataloader_num_workers=0, lr_scheduler_type="constant_with_warmup",
         warmup_steps=config.warmup_steps, disable_tqdm=False, save_only_model=False,
+        model_init_kwargs={"dtype": "bfloat16"} if device.bf16 else None,
+        **vllm_of(config.decoding, device, k),
     )
+
+
+def vllm_of(decoding: str, device: Device, k: int) -> dict[str, Any]:
+    """TRL's vLLM options: colocated sampling where vLLM runs and the decoding is one regular
+    expression for every prompt; "context"/"catalog" (a name tree per prompt) keep HF generate
+    with our logits processor."""
+    if not device.vllm or decoding in NAME_SCOPES:
+        return {}
+    regex = lines_regex(k) if decoding == "lines" else None
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.35,
+            "vllm_structured_outputs_regex": regex}
 
 
 def train_grpo(
     bundle_dir: Path, config: GrpoConfig, init: Path, run_dir: Path | None = None,
-    queries: list[str] | None = None,
+    queries: list[str] | None = None, device: str = "auto",
 ) -> Path:
-    """Run (or resume) GRPO from the warm-start checkpoint `init`; returns final/."""
+    """Run (or resume) GRPO from the checkpoint `init` (the warm start, or any local HF
+    causal LM) on `device` (`training.device`); returns final/."""
     import torch
     from datasets import Dataset
     from transformers.trainer_utils import get_last_checkpoint
 
     from training.data.splits import query_texts
+    from training.device import device_of
     from training.stage1_fanout.grammar import constrain_generation
     from training.stage1_fanout.grpo_trainer import MaskedGRPOTrainer
-    from training.stage1_fanout.policy import load_policy, policy_meta, save_policy
+    from training.stage1_fanout.policy import load_tokenizer, policy_meta, save_policy
 
     started = time.perf_counter()
+    chosen = device_of(device)
     torch.set_num_threads(config.threads)
     run_dir = run_dir or run_dir_for(bundle_dir, config.reward)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -283,7 +319,7 @@ def train_grpo(
     meta = policy_meta(init)
     policy = meta.get("policy", {})
     check_decoding(config.decoding, int(policy.get("context", 0)))
-    model, tokenizer = load_policy(init)
+    tokenizer = load_tokenizer(init)
     bundle = load_bundle(bundle_dir)
     scorer = FanoutScorer(bundle, Encoder(bundle.encoder_config), int(policy.get("k", 10)))
     funcs, weights = reward_functions(scorer, config.reward)
@@ -291,18 +327,20 @@ def train_grpo(
               "n_training_queries": len(queries),
               "kl": "k3 estimator of reverse KL (TRL), log-probs under the decoding's mask",
               "reward_terms": dict(zip(reward_terms_of(config.reward), weights, strict=True)),
-              "seed": config.seed, "git_commit": git_commit()}
+              "seed": config.seed, "git_commit": git_commit(), "device": chosen.record()}
     (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
     prompts = scorer.prompts(queries, policy)
     data = Dataset.from_dict({"prompt": prompts, "query": queries})
-    args = trl_config(config, run_dir, int(policy.get("max_new_tokens", 48)), weights)
+    args = trl_config(config, run_dir, int(policy.get("max_new_tokens", 48)), weights, chosen,
+                      scorer.k)
     names = item_names(bundle.items.texts) if config.decoding == "catalog" else ()
     trainer = MaskedGRPOTrainer(model=str(init), reward_funcs=funcs, args=args,
                                 train_dataset=data, processing_class=tokenizer)
-    del model
     trainer.grammar = constrain_generation(trainer.model, tokenizer, scorer.k, config.decoding,
                                            names)
     trainer.train(resume_from_checkpoint=get_last_checkpoint(str(run_dir)))
+    if not trainer.accelerator.is_main_process:  # one writer under `accelerate launch`
+        return run_dir / "final"
     wall = time.perf_counter() - started
     history = trainer.state.log_history
     write_curves(run_dir, history, reward_terms_of(config.reward))
@@ -310,7 +348,8 @@ def train_grpo(
     ledger = {"steps": steps, "completions": steps * args.per_device_train_batch_size,
               "wall_s": round(wall, 1)}
     final_meta = {**meta, **record, "wall_s": round(wall, 1), "ledger": ledger}
-    save_policy(trainer.model, tokenizer, run_dir / "final", final_meta)
+    save_policy(trainer.accelerator.unwrap_model(trainer.model), tokenizer, run_dir / "final",
+                final_meta)
     (run_dir / "config.json").write_text(json.dumps(final_meta, indent=2, default=str) + "\n")
     print(f"GRPO ({config.reward}): {trainer.state.global_step} steps, wall {wall:.0f} s "
           f"-> {run_dir / 'final'}")

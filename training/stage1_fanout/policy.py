@@ -4,8 +4,9 @@ A Qwen2-style config (grouped-query attention, RoPE, SwiGLU, RMSNorm, tied embed
 byte-level BPE tokenizer trained with `tokenizers` on the catalog's texts and the training
 queries' texts (never val/test). Presets: `cpu` (the default, ~1.4M parameters, sized to run
 stage 1 and stage 2 in under 30 minutes each on 2 cores) and `tiny` (tests, seconds). Any local
-Hugging Face causal-LM checkpoint can be named instead with `load_policy(path)`; nothing is
-ever downloaded.
+Hugging Face causal-LM checkpoint can be named instead with `load_policy(path)` (a Qwen3 or
+Gemma 3 on disk: the accelerator recipe, docs/gpu.md); it is prompted as the default policy
+is. Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -155,7 +156,18 @@ def save_policy(
 
 def load_policy(directory: Path) -> tuple[Any, PreTrainedTokenizerFast]:
     """Any local HF causal-LM folder (ours or e.g. a Qwen3 on disk); never downloads."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
+                                                 dtype=torch.float32)  # a GPU run saves bf16
+    return model, tokenizer
+
+
+def load_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
+    """A checkpoint's tokenizer, padding on the left (generation), <eos> as padding if it
+    has none."""
+    from transformers import AutoTokenizer
 
     directory = Path(directory)
     if not (directory / "config.json").is_file():
@@ -164,13 +176,23 @@ def load_policy(directory: Path) -> tuple[Any, PreTrainedTokenizerFast]:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
-    return model, tokenizer
+    return tokenizer
 
 
 def policy_meta(directory: Path) -> dict[str, Any]:
+    """A checkpoint's policy.json; a checkpoint we did not write (no policy.json) is
+    prompted as the default policy (its k, context names, their source, token budget)."""
     path = Path(directory) / "policy.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {"policy": foreign_policy(), "init": str(directory)}
+
+
+def foreign_policy() -> dict[str, Any]:
+    """The prompt and budget of a checkpoint we did not train: the default policy's."""
+    policy = asdict(POLICY_PRESETS["cpu"])
+    return {"preset": "foreign", **{key: policy[key] for key in
+                                    ("k", "context", "candidates", "max_new_tokens")}}
 
 
 def config_dict(config: PolicyConfig) -> dict[str, Any]:

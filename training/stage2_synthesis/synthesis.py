@@ -16,9 +16,11 @@ queries, `--extra-samples` samples each: the student sees more distinct conditio
 
 Backends: `local` (in this process, the default: the policy exported to ONNX and decoded
 by `service.runtime.decoding.FanoutDecoder` — what the service runs, 2–5× faster than HF `generate`
-on 2 cores), `torch` (HF `generate` in this process) and `http` (an OpenAI-compatible
-`/v1/completions` endpoint, what vLLM serves). Each distinct sub-query text is embedded and
-searched once per run (`ResolutionCache`); the ledger's retrieval calls count those searches.
+on 2 cores), `torch` (HF `generate` in this process, on the GPU if any), `http` (an
+OpenAI-compatible `/v1/completions` endpoint) and `vllm` (a vLLM server started on the policy
+for the run, the accelerator recipe's: docs/gpu.md; "lines" decoding as vLLM's regex). Each
+distinct sub-query text is embedded and searched once per run (`ResolutionCache`); the
+ledger's retrieval calls count those searches.
 The run directory (`models/<bundle>/runs/synthesis/`) holds config.json,
 shards/shard-NNNNN.npz + .jsonl (resumable: finished shards are skipped) and ledger.json
 (samples, tokens, retrieval calls, wall time).
@@ -29,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,12 +47,15 @@ from service.fanout.format import PromptBuilder, item_names, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.fanout.reward import reward_terms
 from service.fanout.trie import DECODINGS, NAME_SCOPES, NameConstraint
+from service.runtime.decoding import lines_regex
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
+from training.stage2_synthesis.server import free_port, served, vllm_command
 
 SYNTHESIS_RUN = "synthesis"
 SHARDS = "shards"
 POLICY_ONNX = "policy-onnx"  # the policy exported for the local backend, in the run folder
+BACKENDS = ("local", "torch", "http", "vllm", "auto")
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,10 @@ class SynthesisConfig:
     temperature: float = 0.9
     max_new_tokens: int | None = None  # None: the policy's own budget
     shard_queries: int = 16
-    backend: str = "local"  # "local" (ONNX Runtime), "torch" (HF generate) or "http"
+    # "local" (ONNX Runtime), "torch" (HF generate, on the GPU if any), "http" (an OpenAI-
+    # compatible server at `endpoint`), "vllm" (a vLLM server started on the policy for the
+    # run) or "auto" (vllm where a GPU runs it and `decoding` is one regex, else torch)
+    backend: str = "local"
     endpoint: str | None = None  # base URL of an OpenAI-compatible server (http backend)
     model: str = "folm"  # model name sent to the http backend
     keep_top_frac: float | None = None  # None: no reward filter (the paper's choice)
@@ -80,6 +90,8 @@ class SynthesisConfig:
             bad.append(f"decoding must be one of {', '.join(DECODINGS)} (got {self.decoding})")
         if self.temperature < 0:
             bad.append(f"temperature must be ≥ 0 (got {self.temperature})")
+        if self.backend not in BACKENDS:
+            bad.append(f"backend must be one of {', '.join(BACKENDS)} (got {self.backend})")
         if bad:
             raise InputError("synthesis: " + "; ".join(bad))
 
@@ -89,6 +101,11 @@ SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
     # 48 tokens: the tiny policy's own 32 seldom hold k lines
     "tiny": SynthesisConfig(samples_per_query=6, extra_queries=0, max_new_tokens=48,
                             shard_queries=3),
+    # the paper's 128 samples at T=0.9, decoded as GRPO sampled the LLM (docs/gpu.md)
+    "gpu": SynthesisConfig(backend="auto", decoding="lines", shard_queries=64, threads=8),
+    # names from the prompt: even an untrained checkpoint ends its lines (docs/gpu.md)
+    "gpu-smoke": SynthesisConfig(samples_per_query=4, extra_queries=0, shard_queries=4,
+                                 backend="auto"),
 }
 
 
@@ -135,12 +152,12 @@ class TorchSampler:
     """HF `generate` on an in-process checkpoint; returns (texts, tokens generated)."""
 
     def __init__(self, checkpoint: Path, k: int, decoding: str = "lines",
-                 names: list[str] | None = None) -> None:
+                 names: list[str] | None = None, device: str = "cpu") -> None:
         from training.stage1_fanout.grammar import constrain_generation
         from training.stage1_fanout.policy import load_policy
 
         self.model, self.tokenizer = load_policy(checkpoint)
-        self.model.eval()
+        self.model.to(device).eval()
         constrain_generation(self.model, self.tokenizer, k, decoding, names or ())  # as served
 
     def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
@@ -148,7 +165,7 @@ class TorchSampler:
         import torch
 
         torch.manual_seed(seed)
-        enc = self.tokenizer([prompt], return_tensors="pt")
+        enc = self.tokenizer([prompt], return_tensors="pt").to(self.model.device)
         with torch.no_grad():
             out = self.model.generate(
                 **enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
@@ -167,16 +184,19 @@ class TorchSampler:
 class HttpSampler:
     """An OpenAI-compatible completions endpoint (e.g. vLLM's `/v1/completions`)."""
 
-    def __init__(self, endpoint: str, model: str, timeout: float = 120.0) -> None:
+    def __init__(self, endpoint: str, model: str, timeout: float = 120.0,
+                 regex: str | None = None) -> None:
         import httpx
 
-        self.model = model
+        self.model, self.regex = model, regex  # regex: vLLM's structured outputs
         self.client = httpx.Client(base_url=endpoint.rstrip("/"), timeout=timeout)
 
     def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
                seed: int) -> tuple[list[str], int]:
         body = {"model": self.model, "prompt": prompt, "n": n,
                 "temperature": temperature, "max_tokens": max_new_tokens, "seed": seed}
+        if self.regex:
+            body["structured_outputs"] = {"regex": self.regex}
         response = self.client.post("/v1/completions", json=body)
         response.raise_for_status()
         payload = response.json()
@@ -299,24 +319,47 @@ def save_shard(path: Path, arrays: dict[str, list], lines: list[str], k: int, di
     tmp.replace(path)
 
 
-def make_sampler(
+def chosen_backend(backend: str, decoding: str) -> str:
+    """`auto`: vLLM where a GPU runs it and the decoding is one regex, else HF generate (on
+    the GPU if any)."""
+    if backend != "auto":
+        return backend
+    from training.device import device_of
+
+    return "vllm" if device_of().vllm and decoding not in NAME_SCOPES else "torch"
+
+
+@contextmanager
+def open_sampler(
     config: SynthesisConfig, checkpoint: Path, run_dir: Path, names: list[str] | None = None
-) -> Sampler:
-    """The sampling backend; `names` (every catalog name) serve the "catalog" decoding."""
-    if config.backend == "local":
+) -> Iterator[Sampler]:
+    """The sampling backend for one run; `names` (every catalog name) serve the "catalog"
+    decoding. `vllm` holds a vLLM server on the checkpoint until the block ends."""
+    backend = chosen_backend(config.backend, config.decoding)
+    if backend == "local":
         folder = run_dir / POLICY_ONNX
         if not (folder / "folm.json").is_file():
             from training.stage1_fanout.export import export_folder
 
             export_folder(checkpoint, folder)
-        return OnnxSampler(folder, config.threads, config.decoding, names)
-    if config.backend == "torch":
-        return TorchSampler(checkpoint, config.k, config.decoding, names)
-    if config.backend == "http":
+        yield OnnxSampler(folder, config.threads, config.decoding, names)
+    elif backend == "torch":
+        from training.device import device_of
+
+        yield TorchSampler(checkpoint, config.k, config.decoding, names, device_of().torch)
+    elif backend == "http":
         if not config.endpoint:
             raise ValueError("the http backend needs --endpoint (e.g. http://127.0.0.1:8000)")
-        return HttpSampler(config.endpoint, config.model)
-    raise ValueError(f"unknown backend {config.backend!r}; use 'local', 'torch' or 'http'")
+        yield HttpSampler(config.endpoint, config.model)
+    else:
+        if config.decoding in NAME_SCOPES:
+            raise InputError(f"the vllm backend takes one regular expression for every prompt, "
+                             f"not --decoding {config.decoding}; use lines or free")
+        port = free_port()
+        command = vllm_command(checkpoint, port, config.model, config.seed)
+        regex = lines_regex(config.k) if config.decoding == "lines" else None
+        with served(command, f"http://127.0.0.1:{port}", run_dir / "vllm.log") as url:
+            yield HttpSampler(url, config.model, regex=regex)
 
 
 def synthesize(
@@ -359,16 +402,34 @@ def synthesize(
     prompts = PromptBuilder(Candidates.of(bundle, source), bundle.items.texts,
                             context).prompts(queries, query_emb)
     catalog = item_names(bundle.items.texts) if config.decoding == "catalog" else None
-    ctx = {"sampler": make_sampler(config, checkpoint, run_dir, catalog),
-           "cache": ResolutionCache(bundle, encoder), "queries": queries, "prompts": prompts,
+    ctx = {"cache": ResolutionCache(bundle, encoder), "queries": queries, "prompts": prompts,
            "query_emb": query_emb, "max_new_tokens": budget, "dim": encoder.dim,
            "samples": samples}
-    ledger = _load_ledger(run_dir)
     shards = [list(range(s, min(s + config.shard_queries, len(queries))))
               for s in range(0, len(queries), config.shard_queries)]
+    if not all(_shard_path(run_dir, n).is_file() for n in range(len(shards))):
+        with open_sampler(config, checkpoint, run_dir, catalog) as sampler:
+            _sample_shards(run_dir, config, {**ctx, "sampler": sampler}, shards)
+    wall = time.perf_counter() - started
+    ledger = _load_ledger(run_dir)
+    print(f"synthesis: {ledger.get('kept', 0):,} samples kept of {ledger.get('samples', 0):,}, "
+          f"{ledger.get('tokens', 0):,} tokens, wall {wall:.0f} s this run "
+          f"({ledger.get('wall_s', 0):.0f} s in shards overall) -> {run_dir}")
+    return run_dir
+
+
+def _shard_path(run_dir: Path, number: int) -> Path:
+    return run_dir / SHARDS / f"shard-{number:05d}.npz"
+
+
+def _sample_shards(run_dir: Path, config: SynthesisConfig, ctx: dict[str, Any],
+                   shards: list[list[int]]) -> None:
+    """Every shard not yet on disk, in order, each committed with the ledger."""
+    samples = ctx["samples"]
+    ledger = _load_ledger(run_dir)
     bar = tqdm(total=sum(samples), desc="synthesis", unit="sample")
     for number, shard in enumerate(shards):
-        path = run_dir / SHARDS / f"shard-{number:05d}.npz"
+        path = _shard_path(run_dir, number)
         if path.is_file():
             bar.update(sum(samples[q] for q in shard))
             continue
@@ -381,11 +442,6 @@ def synthesize(
         bar.update(entry["samples"])
         bar.set_postfix(samples_per_s=f"{entry['samples'] / max(entry['wall_s'], 1e-9):.0f}")
     bar.close()
-    wall = time.perf_counter() - started
-    print(f"synthesis: {ledger.get('kept', 0):,} samples kept of {ledger.get('samples', 0):,}, "
-          f"{ledger.get('tokens', 0):,} tokens, wall {wall:.0f} s this run "
-          f"({ledger.get('wall_s', 0):.0f} s in shards overall) -> {run_dir}")
-    return run_dir
 
 
 def synthesis_stage_config(config: SynthesisConfig) -> dict[str, Any]:
@@ -491,7 +547,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     syn.add_argument("--temperature", type=float, default=0.9)
     syn.add_argument("--decoding", default=SynthesisConfig.decoding, choices=DECODINGS,
                      help="how sampled lines are decoded (local/torch backends)")
-    syn.add_argument("--backend", default="local", choices=("local", "torch", "http"))
+    syn.add_argument("--backend", default="local", choices=BACKENDS,
+                     help="vllm: a vLLM server on the policy for the run; auto: vllm where a "
+                          "GPU runs it, else torch (default: %(default)s)")
     syn.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL (http)")
     syn.add_argument("--model", default="folm", help="model name for the http backend")
     syn.add_argument("--checkpoint", default=None,

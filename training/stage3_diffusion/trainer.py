@@ -6,7 +6,8 @@ classifier-free guidance. A denoiser with a context also gets, per block, C cata
 query's nearest, or those its teacher's prompt named (`context_source`; `block_neighbourhood`,
 the same lookup the service makes). Checkpoints land in `models/<bundle>/runs/diffusion/` and
 a run resumes from its checkpoint when its config matches. Outputs next to the checkpoint:
-`loss.json` (curve + ledger), `loss_curve.png`.
+`loss.json` (curve + ledger), `loss_curve.png`. It trains on CUDA when torch sees a GPU
+(`training.device`); the random draws come from one generator on that device.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ class Neighbourhood:
     rows: np.ndarray  # (N, C) int64 into `embeddings`
     embeddings: np.ndarray  # (M, d) float32, the catalog
 
-    def of(self, picks: np.ndarray) -> torch.Tensor:
+    def of(self, picks: np.ndarray, device: str = "cpu") -> torch.Tensor:
         """(B, C, d) context embeddings of the blocks `picks`."""
         return torch.from_numpy(np.ascontiguousarray(self.embeddings[self.rows[picks]],
-                                                     dtype=np.float32))
+                                                     dtype=np.float32)).to(device)
 
 
 def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, n: int,
@@ -121,7 +122,8 @@ def rows_from_block(target: torch.Tensor, rows: int, generator: torch.Generator)
     b, k, _ = target.shape
     if rows == k:
         return target
-    extra = torch.randint(0, k, (b, rows - k), generator=generator)  # (B, L − k)
+    extra = torch.randint(0, k, (b, rows - k), generator=generator,
+                          device=generator.device)  # (B, L − k)
     return torch.cat([target, torch.gather(target, 1, extra[..., None].expand(-1, -1,
                                                                            target.shape[2]))], 1)
 
@@ -135,9 +137,13 @@ def dsm_loss(model: Denoiser, query: torch.Tensor, target: torch.Tensor,
     ln σ ~ N(P_mean, P_std²); the query is replaced by the null condition with p = cond_drop.
     """
     b = target.shape[0]
-    sigma = torch.exp(config.p_mean + config.p_std * torch.randn(b, generator=generator))  # (B,)
-    noisy = target + sigma[:, None, None] * torch.randn(target.shape, generator=generator)
-    keep = (torch.rand(b, generator=generator) >= config.model.cond_drop).float()  # (B,)
+    device = generator.device
+    sigma = torch.exp(config.p_mean + config.p_std * torch.randn(
+        b, generator=generator, device=device))  # (B,)
+    noise = torch.randn(target.shape, generator=generator, device=device)  # (B, L, d)
+    noisy = target + sigma[:, None, None] * noise
+    keep = (torch.rand(b, generator=generator, device=device)
+            >= config.model.cond_drop).float()  # (B,)
     denoised = model(noisy, sigma, query, keep, context)  # (B, L, d)
     sd = config.model.sigma_data
     weight = (sigma**2 + sd**2) / (sigma * sd) ** 2  # (B,)
@@ -156,13 +162,13 @@ class TrainState:
     curve: list[tuple[int, float]] | None = None
 
 
-def new_state(config: TrainConfig) -> TrainState:
+def new_state(config: TrainConfig, device: str = "cpu") -> TrainState:
     torch.manual_seed(config.seed)
-    model = Denoiser(config.model)
+    model = Denoiser(config.model).to(device)
     ema = copy.deepcopy(model).requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.99),
                                   weight_decay=config.weight_decay)
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = torch.Generator(device).manual_seed(config.seed)
     return TrainState(model, ema, optimizer, generator, curve=[])
 
 
@@ -173,23 +179,28 @@ def save_checkpoint(state: TrainState, config: TrainConfig, path: Path) -> None:
         "model": state.model.state_dict(), "ema": state.ema.state_dict(),
         "optimizer": state.optimizer.state_dict(), "generator": state.generator.get_state(),
         "step": state.step, "wall_s": state.wall_s, "curve": state.curve,
-        "git_commit": git_commit(),
+        "git_commit": git_commit(), "device": state.generator.device.type,
     }
     tmp = path.with_suffix(".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
 
 
-def load_state(config: TrainConfig, path: Path) -> TrainState:
-    """Resume from `path`; refuse a checkpoint written under another config."""
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+def load_state(config: TrainConfig, path: Path, device: str = "cpu") -> TrainState:
+    """Resume from `path`; refuse a checkpoint written under another config, or on another
+    device (its random stream cannot continue there)."""
+    payload = torch.load(path, map_location=device, weights_only=False)
     if stored_config_hash(payload["config"]) != config_hash(config.to_dict()):
         raise ValueError(f"{path} was trained with another config; pass --fresh to restart")
-    state = new_state(config)
+    written = payload.get("device", "cpu")
+    if written != torch.device(device).type:
+        raise ValueError(f"{path} was trained on {written}, this run is on {device}; pass "
+                         "--fresh to restart, or --device " + written)
+    state = new_state(config, device)
     state.model.load_state_dict(payload["model"])
     state.ema.load_state_dict(payload["ema"])
     state.optimizer.load_state_dict(payload["optimizer"])
-    state.generator.set_state(payload["generator"])
+    state.generator.set_state(payload["generator"].cpu())
     state.step, state.wall_s, state.curve = payload["step"], payload["wall_s"], payload["curve"]
     return state
 
@@ -235,15 +246,19 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 def batch_of(data: BlockDataset, config: TrainConfig, generator: torch.Generator,
              context: Neighbourhood | None = None) -> Batch:
-    """Uniform random blocks (with replacement): query (B, d), target (B, L, d) and, with a
-    neighbourhood, context (B, C, d)."""
-    picks = torch.randint(0, len(data.query_emb), (config.batch,), generator=generator).numpy()
-    query = torch.from_numpy(np.ascontiguousarray(data.query_emb[picks], dtype=np.float32))
-    target = torch.from_numpy(np.ascontiguousarray(data.target_emb[picks], dtype=np.float32))
+    """Uniform random blocks (with replacement), on the generator's device: query (B, d),
+    target (B, L, d) and, with a neighbourhood, context (B, C, d)."""
+    device = generator.device
+    picks = torch.randint(0, len(data.query_emb), (config.batch,), generator=generator,
+                          device=device).cpu().numpy()
+    query = torch.from_numpy(np.ascontiguousarray(data.query_emb[picks],
+                                                  dtype=np.float32)).to(device)
+    target = torch.from_numpy(np.ascontiguousarray(data.target_emb[picks],
+                                                   dtype=np.float32)).to(device)
     if config.model.ordered:
         target = sorted_by_query(target, query)
     rows = rows_from_block(target, config.model.rows, generator)  # (B, L, d)
-    return query, rows, None if context is None else context.of(picks)
+    return query, rows, None if context is None else context.of(picks, device)
 
 
 def sorted_by_query(target: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -263,16 +278,19 @@ def ledger(state: TrainState, config: TrainConfig, data: BlockDataset) -> dict[s
 
 def train(data: BlockDataset, config: TrainConfig, run_dir: Path, fresh: bool = False,
           progress: bool = True, until: int | None = None,
-          context: Neighbourhood | None = None) -> dict[str, Any]:
-    """Train (or resume) to `config.steps` (or stop at step `until` with a checkpoint, to
-    resume later); returns the summary also written to loss.json. A model with a context
-    needs the blocks' `neighbourhood`."""
+          context: Neighbourhood | None = None, device: str = "cpu") -> dict[str, Any]:
+    """Train (or resume) on `device` to `config.steps` (or stop at step `until` with a
+    checkpoint, to resume later); returns the summary also written to loss.json. A model with
+    a context needs the blocks' `neighbourhood`."""
     if config.model.context and context is None:
         raise ValueError(f"the model attends to {config.model.context} catalog neighbours: "
                          "pass the blocks' neighbourhood")
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CHECKPOINT
-    state = load_state(config, path) if path.is_file() and not fresh else new_state(config)
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 weights, TF32 matmuls
+    state = load_state(config, path, device) if path.is_file() and not fresh \
+        else new_state(config, device)
     window: list[float] = []
     bar = tqdm(total=config.steps, initial=state.step, desc="train diffusion", unit="step",
                disable=not progress)
@@ -291,7 +309,7 @@ def train(data: BlockDataset, config: TrainConfig, run_dir: Path, fresh: bool = 
             save_checkpoint(state, config, path)
     bar.close()
     summary = {"config": config.to_dict(), "config_hash": config_hash(config.to_dict()),
-               "seed": config.seed, "git_commit": git_commit(),
+               "seed": config.seed, "git_commit": git_commit(), "device": device,
                "ledger": ledger(state, config, data), "curve": state.curve}
     (run_dir / LOSS_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     plot_curve(state.curve or [], run_dir / CURVE_FILE)
@@ -336,7 +354,8 @@ def prompt_context(dataset_dir: Path, n: int, source: str) -> None:
 
 
 def train_on_bundle(bundle_dir: Path, config: TrainConfig, dataset_dir: Path | None = None,
-                    run_dir: Path | None = None, fresh: bool = False) -> dict[str, Any]:
+                    run_dir: Path | None = None, fresh: bool = False,
+                    device: str = "cpu") -> dict[str, Any]:
     """Train (or resume) on the bundle's stage-2 dataset (default <bundle>/runs/synthesis) into
     `run_dir` (default <bundle>/runs/diffusion), with the context the model attends to."""
     from service.artifacts.bundle import load_bundle
@@ -357,11 +376,12 @@ def train_on_bundle(bundle_dir: Path, config: TrainConfig, dataset_dir: Path | N
                                          bundle.items.texts, bundle.items.embeddings, n)
         context = block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt)
     run_dir = run_dir or bundle_dir / "runs" / RUN_NAME
-    return train(data, config, run_dir, fresh=fresh, context=context)
+    return train(data, config, run_dir, fresh=fresh, context=context, device=device)
 
 
 def cmd_train_diffusion(args: argparse.Namespace) -> None:
     from training.commands import given
+    from training.device import device_of
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -370,6 +390,8 @@ def cmd_train_diffusion(args: argparse.Namespace) -> None:
     if model:
         config = replace(config, model=replace(config.model, **model))
     run_dir = args.run_dir or args.bundle / "runs" / RUN_NAME
-    summary = train_on_bundle(args.bundle, config, args.dataset, run_dir, fresh=args.fresh)
+    device = device_of(args.device)
+    summary = train_on_bundle(args.bundle, config, args.dataset, run_dir, fresh=args.fresh,
+                              device=device.torch)
     print(json.dumps(summary["ledger"], indent=2))
     print(f"checkpoint, loss.json and loss_curve.png in {run_dir}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +12,12 @@ import pytest
 import torch
 
 from service.fanout.format import build_prompt
-from service.runtime.decoding import FanoutDecoder, line_grammar, sample_categorical
+from service.runtime.decoding import (
+    FanoutDecoder,
+    line_grammar,
+    lines_regex,
+    sample_categorical,
+)
 from training.stage1_fanout.export import export_folder
 from training.stage1_fanout.policy import (
     POLICY_PRESETS,
@@ -163,3 +170,33 @@ def test_line_grammar_masks() -> None:
     assert np.isinf(masked[0, [2, 3]]).all() and np.isfinite(masked[0, [0, 1, 4]]).all()
     assert np.isfinite(masked[1]).all()  # last line with text: <eos> or a break both end it
     assert np.isinf(masked[2, [2, 3]]).all()  # last line still empty
+
+
+def grammar_ends(text: str, k: int) -> bool:
+    """Whether the served line grammar lets a completion write `text` then <eos>: tokens are
+    characters ("a" text, " " blank, "\n" a break, "$" <eos>); after k breaks only <eos>."""
+    vocab = ["a", " ", "\n", "$"]
+    newlines = np.array([t.count("\n") for t in vocab])
+    lines, open_line = 0, False
+    for char in text + "$":
+        if lines >= k:
+            allowed = {"$"}
+        else:
+            masked = line_grammar(np.zeros((1, 4), np.float32), newlines, np.array([lines]),
+                                  np.array([open_line]), stop=k, eos=3)[0]
+            allowed = {t for t, v in zip(vocab, masked, strict=True) if np.isfinite(v)}
+        if char not in allowed:
+            return False
+        lines, open_line = (lines + 1, False) if char == "\n" else \
+            (lines, open_line or char == "a")
+    return True
+
+
+def test_lines_regex_is_the_line_grammar() -> None:
+    """vLLM samples the accelerator recipe under the regex, the service decodes under the
+    grammar: the same completions end under both (every text of up to 8 characters)."""
+    pattern = re.compile(lines_regex(3))
+    texts = ["".join(t) for n in range(9) for t in itertools.product("a \n", repeat=n)]
+    accepted = [t for t in texts if pattern.fullmatch(t)]
+    assert accepted and len(accepted) < len(texts)
+    assert [t for t in texts if grammar_ends(t, 3)] == accepted

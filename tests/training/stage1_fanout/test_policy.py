@@ -49,6 +49,14 @@ GLOSS = {"camping": "gear used when camping outdoors", "kitchen": "a utensil use
 
 def make_tiny_bundle(root: Path) -> Path:
     """A 55-item catalog in five themes with a 20-query benchmark (16/2/2 split)."""
+    catalog, bench = write_tiny_sources(root)
+    bundle = root / "bundle"
+    build_catalog(bundle, CatalogConfig(source=str(catalog), benchmark=str(bench)))
+    return bundle
+
+
+def write_tiny_sources(root: Path) -> tuple[Path, Path]:
+    """(catalog.jsonl, bench.jsonl) of `make_tiny_bundle` in `root`."""
     items, queries = [], []
     for theme, words in THEMES.items():
         items.append({"id": theme, "text": f"{theme}: {GLOSS[theme]}"})
@@ -63,9 +71,7 @@ def make_tiny_bundle(root: Path) -> Path:
     catalog, bench = root / "catalog.jsonl", root / "bench.jsonl"
     catalog.write_text("".join(json.dumps(r) + "\n" for r in items))
     bench.write_text("".join(json.dumps(q) + "\n" for q in queries))
-    bundle = root / "bundle"
-    build_catalog(bundle, CatalogConfig(source=str(catalog), benchmark=str(bench)))
-    return bundle
+    return catalog, bench
 
 
 def make_tiny_policy(bundle: Path) -> Path:

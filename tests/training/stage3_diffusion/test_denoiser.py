@@ -257,3 +257,15 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path):
     assert (tmp_path / "b" / "loss_curve.png").stat().st_size > 0
     with pytest.raises(ValueError, match="another config"):
         train(data, train_preset("tiny", steps=20, lr=0.5), tmp_path / "a", progress=False)
+
+
+def test_a_checkpoint_resumes_only_on_the_device_it_was_trained_on(tmp_path):
+    """Its random stream lives on that device: a CPU run does not continue a CUDA one."""
+    data = synthetic_blocks()
+    config = train_preset("tiny", steps=4, checkpoint_every=2)
+    train(data, config, tmp_path, progress=False, until=2)
+    payload = torch.load(tmp_path / CHECKPOINT, weights_only=False)
+    assert payload["device"] == "cpu"
+    torch.save({**payload, "device": "cuda"}, tmp_path / CHECKPOINT)
+    with pytest.raises(ValueError, match="trained on cuda, this run is on cpu"):
+        train(data, config, tmp_path, progress=False)

@@ -1,0 +1,90 @@
+"""A model server held for the length of stage 2: vLLM's OpenAI-compatible server on the frozen
+policy (`--backend vllm`), which the http backend then samples.
+
+Hand-written because vLLM ships the server but no way to hold one for a with-block: start it in
+its own process group, wait until `/health` answers (or the process dies, with its log's tail
+in the error), stop it on the way out, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+READY_S = 900.0  # a 4B checkpoint loads and compiles its CUDA graphs in minutes
+POLL_S = 0.5
+STOP_S = 30.0
+LOG_TAIL = 2000
+
+
+def vllm_command(checkpoint: Path, port: int, model: str, seed: int) -> list[str]:
+    """`vllm serve` on `checkpoint` under the name the http backend asks for."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(checkpoint), "--served-model-name", model, "--host", "127.0.0.1", "--port",
+            str(port), "--seed", str(seed), "--generation-config", "vllm"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def served(command: list[str], base_url: str, log: Path, ready_s: float = READY_S,
+           ) -> Iterator[str]:
+    """Run `command` (a server on `base_url`) until the block ends; yields `base_url` once its
+    `/health` answers 200."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        wait_ready(process, base_url, log, ready_s)
+        yield base_url
+    finally:
+        stop(process)
+
+
+def wait_ready(process: subprocess.Popen, base_url: str, log: Path, ready_s: float) -> None:
+    deadline = time.monotonic() + ready_s
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the model server exited ({process.returncode}) before "
+                                   f"it was ready; {log}:\n{tail(log)}")
+            try:
+                if client.get(f"{base_url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(POLL_S)
+    raise RuntimeError(f"the model server was not ready after {ready_s:.0f} s; {log}:\n"
+                       f"{tail(log)}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (vLLM forks engine workers), SIGKILL if it
+    lingers."""
+    if process.poll() is not None:
+        return
+    group = os.getpgid(process.pid)
+    os.killpg(group, signal.SIGTERM)
+    try:
+        process.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(group, signal.SIGKILL)
+        process.wait()
+
+
+def tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-LOG_TAIL:] if log.is_file() else ""
