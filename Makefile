@@ -7,15 +7,17 @@ STAMP   := $(VENV)/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install system-deps bundle eval serve test lint bench scale loadtest overload soak chaos \
-        clean-bundle gpu-bundle gpu-smoke
+        clean-bundle gpu-bundle gpu-smoke wrk
 
 install: $(STAMP)
 
-# wordnet-base: the default catalog; prometheus: the real-Prometheus test and promtool.
+# wordnet-base: the default catalog; prometheus: the real-Prometheus test and promtool; wrk:
+# make wrk's load generator.
 system-deps:
-	@[ -f /usr/share/wordnet/data.noun ] && command -v promtool >/dev/null || \
+	@[ -f /usr/share/wordnet/data.noun ] && command -v promtool >/dev/null && \
+	  command -v wrk >/dev/null || \
 	  ($(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	   $(SUDO) apt-get install -y -qq --no-install-recommends wordnet-base prometheus)
+	   $(SUDO) apt-get install -y -qq --no-install-recommends wordnet-base prometheus wrk)
 
 # torch is pinned to the CPU wheel first so that nothing pulls a CUDA build.
 $(STAMP): pyproject.toml | system-deps
@@ -57,6 +59,12 @@ scale: bundle
 loadtest: bundle
 	$(PY) -m loadtest.run --bundle $(BUNDLE) --out loadtest/results
 
+# The HTTP stack at its limit: wrk (compiled) closed loop, 64 connections, every scenario, one
+# server process then two side by side, Locust's `single` beside it, py-spy's profile (run alone)
+# -> loadtest/results/wrk/
+wrk: bundle
+	$(PY) -m loadtest.wrk --bundle $(BUNDLE) --profile --out loadtest/results/wrk
+
 # The A/B mix's capacity measured here, then 4x it (open loop), then half of it: fast 429s,
 # no 504s, accepted answers well inside the deadline, recovery (exit 1 when a promise fails).
 overload: bundle
@@ -75,9 +83,11 @@ chaos: bundle
 
 # The accelerator recipe (docs/gpu.md): stages 1-3 from a local LLM checkpoint, INIT=<folder>,
 # on every GPU torch sees (GRPO under `accelerate launch` past one; vLLM where installed).
+# No `install` prerequisite: a GPU machine brings its own CUDA torch (and vLLM's), docs/gpu.md.
 GPU_BUNDLE ?= models/gpu
-gpu-bundle: install
+gpu-bundle:
 	@[ -n "$(INIT)" ] || { echo "usage: make gpu-bundle INIT=<local HF checkpoint folder>"; exit 2; }
+	@[ -x $(R4T) ] || { echo "no $(R4T): install as docs/gpu.md says first"; exit 2; }
 	$(R4T) --bundle $(GPU_BUNDLE) bundle --preset gpu --init $(INIT)
 
 # The same recipe in minutes from a tiny random checkpoint written here: CPU or GPU.

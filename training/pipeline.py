@@ -406,7 +406,7 @@ def _build_folm(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
         _checkpoint(build.bundle_dir / "runs" / WARMSTART_RUN / FINAL, "folm-warmstart")
     run_dir = _run_dir(build, manifest, "folm", run_dir_for(build.bundle_dir, configs.grpo.reward))
     device = device_of()
-    if device.count > 1 and not distributed():
+    if device.kind == "cuda" and not distributed():
         _launch_grpo(build, configs.grpo.preset, init, device.count)
         final = _checkpoint(run_dir / FINAL, "folm")
     else:
@@ -415,8 +415,9 @@ def _build_folm(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _launch_grpo(build: _Build, preset: str, init: Path, gpus: int) -> None:
-    """GRPO data-parallel over every GPU: `r4t train folm` under `accelerate launch`, into
-    the run folder this build prepared (the preset's)."""
+    """GRPO on the GPUs: `r4t train folm` under `accelerate launch`, data-parallel over
+    every GPU, into the run folder this build prepared (the preset's). In its own processes
+    even on one GPU: their exit frees the GPU memory (TRL's vLLM engine's too) for stage 2."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes",
                str(gpus), "-m", "training.cli", "--bundle", str(build.bundle_dir), "train",
                "folm", "--preset", preset, "--init", str(init)]
@@ -432,6 +433,7 @@ def _build_synthesis(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     from training.stage2_synthesis.synthesis import (
         POLICY_ONNX,
         SYNTHESIS_RUN,
+        chosen_backend,
         commit_synthesis,
         synthesize,
     )
@@ -439,7 +441,8 @@ def _build_synthesis(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     configs = _configs(build)
     policy = _checkpoint(run_dir_for(build.bundle_dir, configs.grpo.reward) / FINAL, "folm")
     run_dir = _run_dir(build, manifest, "synthesis", build.bundle_dir / "runs" / SYNTHESIS_RUN)
-    if not (run_dir / POLICY_ONNX).exists():  # the local backend samples the bundle's export
+    local = chosen_backend(configs.synthesis.backend, configs.synthesis.decoding) == "local"
+    if local and not (run_dir / POLICY_ONNX).exists():  # it samples the bundle's export
         shutil.copytree(build.bundle_dir / FOLDERS["folm"], run_dir / POLICY_ONNX)
     synthesize(build.bundle_dir, configs.synthesis, policy, run_dir)
     return commit_synthesis(build.bundle_dir, configs.synthesis, run_dir)
@@ -455,10 +458,10 @@ def _build_diffusion(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
 
     configs = _configs(build)
     torch.set_num_threads(configs.threads)
-    run_dir = _run_dir(build, manifest, "diffusion", build.bundle_dir / "runs" / RUN_NAME,
-                       configs.diffusion.to_dict())
-    train_on_bundle(build.bundle_dir, configs.diffusion, run_dir=run_dir,
-                    device=device_of().torch)
+    device = device_of().torch  # a checkpoint resumes on its own device kind only
+    key = configs.diffusion.to_dict() | ({"device": device} if device != "cpu" else {})
+    run_dir = _run_dir(build, manifest, "diffusion", build.bundle_dir / "runs" / RUN_NAME, key)
+    train_on_bundle(build.bundle_dir, configs.diffusion, run_dir=run_dir, device=device)
     export_diffusion(build.bundle_dir, run_dir / CHECKPOINT, configs.export)
     return read_manifest(build.bundle_dir)
 

@@ -74,8 +74,11 @@ def line_grammar(logits: np.ndarray, newlines: np.ndarray, lines: np.ndarray,
 
 
 def lines_regex(k: int) -> str:
-    """`line_grammar` as one regular expression, for engines that take a regex and no logits
-    processor (vLLM's structured outputs): k lines with text, an optional last line break."""
+    """`line_grammar`'s rule as one regular expression over characters, for engines that take
+    a regex and no logits processor (vLLM's structured outputs): k lines with text, an optional
+    last line break. The grammar masks whole tokens, so the two differ at the edges (a token
+    holding text then a break opens and ends a line at once); a token the mask forbids is
+    scored unmasked in training, never as −inf."""
     line = r"[^\n]*[^\s][^\n]*"
     return rf"(?:{line}\n){{{k - 1}}}{line}\n?"
 

@@ -1,4 +1,4 @@
-"""make overload, soak and chaos refuse bad input with a usage error before starting anything."""
+"""make overload, soak, chaos and wrk refuse bad input with a usage error before starting anything."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ import pytest
     ["loadtest.soak", "--minutes", "0"],
     ["loadtest.overload", "--factor", "-1"],
     ["loadtest.chaos", "--cases", "reload,nope"],
+    ["loadtest.wrk", "--bundle", "no/such/bundle"],
+    ["loadtest.wrk", "--connections", "0"],
+    ["loadtest.wrk", "--processes", "1,0"],
 ])
 def test_bad_input_is_a_usage_error(arguments, tmp_path):
     done = subprocess.run([sys.executable, "-m", *arguments, "--out", str(tmp_path / "out")],

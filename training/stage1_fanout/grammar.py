@@ -38,8 +38,9 @@ class LineGrammar(LogitsProcessor):
         return cls(newlines, opens_line, int(tokenizer.eos_token_id), k, prompt_len)
 
     def state(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(lines so far (B,), current line has text (B,)) of the completions in `input_ids`."""
-        new = input_ids[:, self.prompt_len :].clamp(max=len(self.newlines) - 1)  # (B, T)
+        """(lines so far (B,), current line has text (B,)) of the completions in `input_ids`,
+        on the CPU, where the tables are (`generate` may run on a GPU)."""
+        new = input_ids[:, self.prompt_len :].cpu().clamp(max=len(self.newlines) - 1)  # (B, T)
         breaks = self.newlines[new]  # (B, T)
         position = torch.arange(new.shape[1], device=new.device).expand_as(new)  # (B, T)
         last_break = torch.where(breaks > 0, position, -1).max(dim=1, keepdim=True).values \
@@ -52,7 +53,7 @@ class LineGrammar(LogitsProcessor):
         masked = line_grammar(scores.detach().float().cpu().numpy(), self.table, lines.numpy(),
                               open_line.numpy(), self.k, self.eos)  # (B, V)
         scores = torch.from_numpy(masked).to(scores.device, scores.dtype)
-        done = lines >= self.k  # (B,) the k-th line break is the end: only <eos> remains
+        done = (lines >= self.k).to(scores.device)  # (B,) the k-th break ends: only <eos> left
         scores[done] = -float("inf")
         scores[done, self.eos] = 0.0
         return scores
@@ -82,7 +83,7 @@ class NameGrammar(LogitsProcessor):
             self.tries = self.constraint.tries(prompts)
             self.states = [RowState() for _ in self.tries]
             self.lines = np.zeros(len(self.tries), dtype=np.int64)
-        new = input_ids[:, self.prompt_len + self.seen :].tolist()  # (B, new tokens)
+        new = input_ids[:, self.prompt_len + self.seen :].cpu().tolist()  # (B, new tokens)
         for trie, state, tokens in zip(self.tries, self.states, new, strict=True):
             for token in (tokens if trie is not None else ()):
                 trie.advance(state, token)
@@ -95,7 +96,7 @@ class NameGrammar(LogitsProcessor):
         masked = name_grammar(scores.detach().float().cpu().numpy(), self.tries, self.states,
                               lines, self.k)  # (B, V)
         scores = torch.from_numpy(masked).to(scores.device, scores.dtype)
-        done = torch.from_numpy(lines >= self.k)  # (B,) the k-th line break is the end
+        done = torch.from_numpy(lines >= self.k).to(scores.device)  # (B,) the k-th break ends
         scores[done] = -float("inf")
         scores[done, self.eos] = 0.0
         return scores
@@ -114,6 +115,11 @@ class Grammar:
         self.names = NameConstraint(tokenizer.backend_tokenizer, int(tokenizer.eos_token_id),
                                     decoding, catalog_names) if decoding in NAME_SCOPES else None
 
+    @property
+    def vocab(self) -> int:
+        """Tokens a mask of `allowed` has per position."""
+        return len(self.tokenizer)
+
     def processor(self, prompt_len: int) -> LogitsProcessor | None:
         """A fresh processor for one `generate` call whose prompts are `prompt_len` wide."""
         if self.decoding == "free":
@@ -131,8 +137,7 @@ class Grammar:
         grammar = self.processor(prompt_len)
         if grammar is None:
             return None
-        vocab = len(self.tokenizer)
-        zeros = torch.zeros((input_ids.shape[0], vocab))  # (B, V)
+        zeros = torch.zeros((input_ids.shape[0], self.vocab))  # (B, V)
         steps = [torch.isfinite(grammar(input_ids[:, : prompt_len + t], zeros.clone()))
                  for t in range(completion_len)]  # T × (B, V)
         return torch.stack(steps, dim=1)  # (B, T, V)

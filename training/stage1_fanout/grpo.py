@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -265,22 +266,37 @@ def run_dir_for(bundle_dir: Path, mode: str) -> Path:
 def trl_config(config: GrpoConfig, run_dir: Path, max_new_tokens: int, weights: list[float],
                device: Device, k: int):
     """GRPOConfig: on the CPU the overrides of NOTES.md (fp32, no checkpointing); on a GPU
-    bfloat16 where it computes, activation checkpointing and vLLM sampling (`vllm_of`)."""
+    fp32 weights under bfloat16 autocast where it computes (an LLM's 1e-6 steps vanish in
+    bf16 weights), activation checkpointing and vLLM sampling (`vllm_of`). A step's prompts
+    are shared among the processes of an `accelerate launch`."""
     from trl import GRPOConfig
 
     gpu = device.kind == "cuda"
     return GRPOConfig(
         output_dir=str(run_dir), max_steps=config.steps, learning_rate=config.lr,
-        per_device_train_batch_size=config.queries_per_step * config.num_generations,
+        per_device_train_batch_size=per_process_batch(config, world_size()),
         num_generations=config.num_generations, max_completion_length=max_new_tokens,
         temperature=config.temperature, beta=config.beta, reward_weights=weights,
         logging_steps=1, save_steps=config.save_steps, save_total_limit=2, seed=config.seed,
         bf16=device.bf16, fp16=False, activation_checkpointing=gpu, use_cpu=not gpu,
         report_to="none", dataloader_num_workers=0, lr_scheduler_type="constant_with_warmup",
         warmup_steps=config.warmup_steps, disable_tqdm=False, save_only_model=False,
-        model_init_kwargs={"dtype": "bfloat16"} if device.bf16 else None,
+        model_init_kwargs={"dtype": "float32"},
         **vllm_of(config.decoding, device, k),
     )
+
+
+def world_size() -> int:
+    """Processes of this run (`accelerate launch` sets WORLD_SIZE; 1 otherwise)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def per_process_batch(config: GrpoConfig, processes: int) -> int:
+    """Each process's share of a step's completions (whole groups of num_generations)."""
+    if config.queries_per_step % processes:
+        raise InputError(f"{config.queries_per_step} prompts per step do not split over "
+                         f"{processes} processes; pass --queries-per-step as a multiple")
+    return config.queries_per_step // processes * config.num_generations
 
 
 def vllm_of(decoding: str, device: Device, k: int) -> dict[str, Any]:
@@ -345,7 +361,8 @@ def train_grpo(
     history = trainer.state.log_history
     write_curves(run_dir, history, reward_terms_of(config.reward))
     steps = trainer.state.global_step
-    ledger = {"steps": steps, "completions": steps * args.per_device_train_batch_size,
+    ledger = {"steps": steps, "completions": steps * config.queries_per_step
+              * config.num_generations, "processes": world_size(),
               "wall_s": round(wall, 1)}
     final_meta = {**meta, **record, "wall_s": round(wall, 1), "ledger": ledger}
     save_policy(trainer.accelerator.unwrap_model(trainer.model), tokenizer, run_dir / "final",

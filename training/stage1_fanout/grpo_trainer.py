@@ -19,7 +19,9 @@ from trl import GRPOTrainer
 
 from training.stage1_fanout.grammar import Grammar
 
-MASK_CACHE_ROWS = 4096  # completions whose masks are kept (a step's policy and reference share)
+# the masks kept (a step's policy and reference passes share them): T × V bools per completion,
+# 12 MB each for an LLM's 152k-token vocabulary, so bounded by bytes, not rows
+MASK_CACHE_BYTES = 2 * 1024**3
 
 
 def masked_log_probs(
@@ -86,7 +88,8 @@ class MaskedGRPOTrainer(GRPOTrainer):
         ids = input_ids.cpu()
         keys = [(completion_len, row.numpy().tobytes()) for row in ids]
         missing = [i for i, key in enumerate(keys) if key not in cache]
-        if missing and len(cache) + len(missing) > MASK_CACHE_ROWS:
+        limit = max(len(keys), MASK_CACHE_BYTES // max(completion_len * self.grammar.vocab, 1))
+        if missing and len(cache) + len(missing) > limit:
             cache = {}  # full: start afresh, and every row of this batch is now missing
             missing = list(range(len(keys)))
         if missing:

@@ -3,12 +3,15 @@ policy (`--backend vllm`), which the http backend then samples.
 
 Hand-written because vLLM ships the server but no way to hold one for a with-block: start it in
 its own process group, wait until `/health` answers (or the process dies, with its log's tail
-in the error), stop it on the way out, whatever happened.
+in the error), stop the group on the way out, whatever happened; a build killed outright takes
+the server with it (the parent-death signal), so no orphan holds the GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,8 +49,8 @@ def served(command: list[str], base_url: str, log: Path, ready_s: float = READY_
     `/health` answers 200."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(dying_with_parent(command), stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ready(process, base_url, log, ready_s)
         yield base_url
@@ -72,18 +75,29 @@ def wait_ready(process: subprocess.Popen, base_url: str, log: Path, ready_s: flo
                        f"{tail(log)}")
 
 
+def dying_with_parent(command: list[str]) -> list[str]:
+    """`command` under util-linux's `setpriv --pdeathsig TERM` where it exists: SIGTERM when
+    the build process dies (a preexec_fn calling prctl is not safe in a threaded parent)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", *command] if setpriv else command
+
+
 def stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (vLLM forks engine workers), SIGKILL if it
-    lingers."""
-    if process.poll() is not None:
-        return
-    group = os.getpgid(process.pid)
-    os.killpg(group, signal.SIGTERM)
+    """SIGTERM to the server's process group (vLLM forks engine workers, which may outlive
+    their parent), SIGKILL to whatever lingers."""
+    group = process.pid  # start_new_session: the group is the server's pid
+    signal_group(group, signal.SIGTERM)
     try:
         process.wait(STOP_S)
     except subprocess.TimeoutExpired:
-        os.killpg(group, signal.SIGKILL)
+        process.kill()
         process.wait()
+    signal_group(group, signal.SIGKILL)  # engine workers left behind
+
+
+def signal_group(group: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, sig)
 
 
 def tail(log: Path) -> str:

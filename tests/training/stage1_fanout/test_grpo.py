@@ -10,16 +10,21 @@ import pytest
 import torch
 
 from service.artifacts.bundle import load_bundle
+from service.errors import InputError
 from service.fanout.format import format_fanout
+from service.runtime.decoding import lines_regex
 from service.runtime.encoder import Encoder
 from tests.training.stage1_fanout.test_policy import make_tiny_bundle, make_tiny_policy
+from training.device import Device
 from training.stage1_fanout.ablation import best_of_n, collapse_signatures, mode_score
 from training.stage1_fanout.grpo import (
     GRPO_PRESETS,
     FanoutScorer,
+    per_process_batch,
     resolve_config,
     reward_functions,
     train_grpo,
+    vllm_of,
 )
 from training.stage1_fanout.policy import load_policy
 
@@ -242,3 +247,24 @@ def test_reward_ablation_runs_each_reward_on_free_lines_and_reports(
     report = json.loads((bundle / "runs/ablation/report.json").read_text())
     assert list(report) == ["warm start", "ground", "ground+align", "all", "best-of-2 by ground",
                             "best-of-2 by ground+align", "best-of-2 by all"]
+
+
+def test_vllm_samples_a_regex_grammar_and_leaves_name_trees_to_generate() -> None:
+    """On a GPU with vLLM: "lines" as its regex, "free" unconstrained; the name decodings (one
+    tree per prompt, no single regex) keep HF generate and our logits processor."""
+    gpu = Device("cuda", 1, True, True, "H200")
+    lines = vllm_of("lines", gpu, 10)
+    assert lines["use_vllm"] and lines["vllm_mode"] == "colocate"
+    assert lines["vllm_structured_outputs_regex"] == lines_regex(10)
+    assert vllm_of("free", gpu, 10)["vllm_structured_outputs_regex"] is None
+    assert vllm_of("context", gpu, 10) == vllm_of("catalog", gpu, 10) == {}
+    assert vllm_of("lines", Device("cuda", 1, True, False, "H200"), 10) == {}
+    assert vllm_of("lines", Device("cpu", 0, False, False, "cpu"), 10) == {}
+
+
+def test_a_steps_prompts_are_shared_among_processes() -> None:
+    config = GRPO_PRESETS["gpu"]  # 16 prompts × 8 completions per step
+    assert per_process_batch(config, 1) == 128
+    assert per_process_batch(config, 4) == 32
+    with pytest.raises(InputError, match="do not split over 3 processes"):
+        per_process_batch(config, 3)

@@ -123,6 +123,7 @@ class _CountingGrammar:
     """Stands in for `Grammar.allowed`: a mask that encodes its row's first token."""
 
     decoding = "lines"
+    vocab = 8
 
     def __init__(self) -> None:
         self.rows = 0
@@ -137,7 +138,7 @@ class _CountingGrammar:
 def test_mask_cache_refills_every_row_when_it_overflows(monkeypatch) -> None:
     import training.stage1_fanout.grpo_trainer as module
 
-    monkeypatch.setattr(module, "MASK_CACHE_ROWS", 4)
+    monkeypatch.setattr(module, "MASK_CACHE_BYTES", 4 * 2 * 8)  # 4 rows of (T=2, V=8)
     trainer = module.MaskedGRPOTrainer.__new__(module.MaskedGRPOTrainer)
     trainer.grammar = _CountingGrammar()
     first = torch.tensor([[1, 9], [2, 9], [3, 9]])

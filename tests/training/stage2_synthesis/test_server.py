@@ -4,7 +4,10 @@ vLLM (which needs a GPU): Python's own, serving a folder whose `health` file ans
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -49,3 +52,28 @@ def test_the_vllm_command_serves_the_checkpoint_under_the_asked_name() -> None:
     flags = dict(zip(command[3::2], command[4::2], strict=True))
     assert flags["--model"] == "/ckpt" and flags["--served-model-name"] == "folm"
     assert flags["--port"] == "8123" and flags["--seed"] == "7"
+
+
+def test_a_server_dies_with_the_process_that_holds_it(tmp_path: Path) -> None:
+    """A build killed outright (no `finally`) takes its server along: no orphan holds a GPU."""
+    (tmp_path / "health").write_text("ok")
+    port = free_port()
+    holder = textwrap.dedent(f"""
+        import os, signal, sys
+        from pathlib import Path
+        from training.stage2_synthesis.server import served
+        command = {file_server(tmp_path, port)!r}
+        with served(command, "http://127.0.0.1:{port}", Path({str(tmp_path / 'log')!r})):
+            print("ready", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    subprocess.run([sys.executable, "-c", holder], cwd=Path(__file__).parents[3], check=False,
+                   timeout=60, capture_output=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0)
+        except httpx.TransportError:
+            return
+        time.sleep(0.1)
+    pytest.fail("the server outlived the process that held it")

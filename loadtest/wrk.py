@@ -1,0 +1,265 @@
+"""`make wrk`: the service at the HTTP stack's limit, driven by wrk (Debian's `wrk`, compiled C
+with LuaJIT), closed loop with C connections.
+
+Per scenario (single, diffusion, ar, the A/B mix): throughput, latency, statuses, the mean
+batch, and the CPU seconds the server and the generator each spent per request, so a table
+says whether the generator or the server held the cores. Beside them, in the same run:
+- Locust (the `make loadtest` generator) offered far more `single` than it can send: its
+  throughput and CPU per request against wrk's, on the same server;
+- with `--processes 2`, two `r4t serve` processes (what uvicorn workers would be: each its own
+  bundle, batcher and event loop), each driven by half the connections;
+- with `--profile`, py-spy samples the server during each wrk run: self time by library.
+Writes `wrk.json` and `wrk.md` (and `profile-<scenario>.txt`, py-spy's collapsed stacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from loadtest.queries import QUERIES
+from loadtest.report import publish
+from loadtest.run import (
+    HOST,
+    SCENARIOS,
+    batch_totals,
+    check_bundle,
+    run_scenario,
+    start_server,
+    stop_server,
+    wait_ready,
+)
+from training.commands import positive, positive_list
+
+SCRIPT = Path(__file__).with_name("wrk.lua")
+LOCUST_OFFERED_RPS = 4000  # far past what one Locust process sends on these cores
+# py-spy's leaf frames, by file path, to the layer that spent the time (first match wins)
+LAYERS = (("onnxruntime", "ONNX Runtime"), ("faiss", "FAISS"), ("numpy", "numpy"),
+          ("wordllama", "encoder (WordLlama)"), ("tokenizers", "tokenizers"),
+          ("pydantic", "pydantic"), ("starlette", "Starlette/FastAPI"),
+          ("fastapi", "Starlette/FastAPI"), ("uvicorn", "uvicorn + httptools"),
+          ("httptools", "uvicorn + httptools"), ("prometheus_client", "Prometheus metrics"),
+          ("logging", "logging"), ("json", "json"), ("asyncio", "asyncio event loop"),
+          ("threading", "threads (hand-offs)"), ("concurrent", "threads (hand-offs)"),
+          ("service/", "r4t service code"))
+
+
+def run_wrk(port: int, scenario: str, connections: int, seconds: int, threads: int,
+            out: Path) -> subprocess.Popen:
+    """Start wrk against one server, its output into `out`."""
+    command = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s",
+               "-s", str(SCRIPT), f"http://{HOST}:{port}", "--", scenario, *QUERIES]
+    with out.open("w") as handle:
+        return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT)
+
+
+def wrk_result(out: Path) -> dict[str, Any]:
+    """The JSON line wrk.lua's done() printed."""
+    lines = [line for line in out.read_text().splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"wrk printed no summary:\n{out.read_text()[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of the server processes (all their threads)."""
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@contextmanager
+def profiled(pid: int, seconds: int, path: Path | None):
+    """py-spy sampling `pid` for `seconds` while the block runs (nothing without `path`)."""
+    if path is None:
+        yield
+        return
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(seconds),
+                            "--rate", "100", "--format", "raw", "--nonblocking", "--output",
+                            str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        spy.wait(timeout=seconds + 60)
+
+
+def layers(path: Path) -> dict[str, float]:
+    """Share of samples per layer, by each stack's leaf frame (self time)."""
+    counts: Counter[str] = Counter()
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        leaf = stack.rsplit(";", 1)[-1]
+        layer = next((name for key, name in LAYERS if key in leaf), "other (Python, C)")
+        counts[layer] += int(count)
+    total = sum(counts.values()) or 1
+    return {name: round(n / total, 3) for name, n in counts.most_common()}
+
+
+def drive(ports: list[int], pids: list[int], scenario: str, connections: int, seconds: int,
+          out_dir: Path, profile: bool) -> dict[str, Any]:
+    """One wrk per server, `connections` shared among them, all at once."""
+    before_batch = [batch_totals(p) for p in ports]
+    server_before, gen_before = cpu_seconds(pids), children_cpu()
+    share = max(connections // len(ports), 1)
+    outs = [out_dir / f"wrk-{scenario}-{len(ports)}p-{port}.txt" for port in ports]
+    spied = out_dir / f"profile-{scenario}-{len(ports)}p.txt"
+    with ExitStack() as stack:
+        if profile:
+            stack.enter_context(profiled(pids[0], seconds, spied))
+        runs = [run_wrk(port, scenario, share, seconds, max(2 // len(ports), 1), out)
+                for port, out in zip(ports, outs, strict=True)]
+        for process in runs:
+            process.wait(timeout=seconds + 60)
+    results = [wrk_result(out) for out in outs]
+    server_cpu, gen_cpu = cpu_seconds(pids) - server_before, children_cpu() - gen_before
+    requests = sum(r["requests"] for r in results)
+    duration = max(r["duration_us"] for r in results) / 1e6
+    statuses: Counter[str] = Counter()
+    for r in results:
+        statuses.update(r["statuses"])
+    row = {"generator": "wrk", "scenario": scenario, "processes": len(ports),
+           "connections": connections, "requests": requests, "rps": requests / duration,
+           "statuses": dict(statuses), "socket_errors": sum(sum(r["errors"].values())
+                                                            for r in results),
+           "latency_ms": worst(results), "server_cpu_ms_per_request": 1000 * server_cpu
+           / max(requests, 1), "generator_cpu_ms_per_request": 1000 * gen_cpu / max(requests, 1),
+           "mean_batch": mean_batches(before_batch, [batch_totals(p) for p in ports])}
+    if profile:
+        row["profile"] = layers(spied)
+    return row
+
+
+def worst(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Per percentile, the worse of the servers' (one server: its own)."""
+    return {p: max(r["latency_ms"][p] for r in results) for p in ("50", "90", "99")}
+
+
+def mean_batches(before: list[dict], after: list[dict]) -> dict[str, float]:
+    sums: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for old, new in zip(before, after, strict=True):
+        for route, (total, count) in new.items():
+            sums[route] += total - old.get(route, (0.0, 0.0))[0]
+            counts[route] += count - old.get(route, (0.0, 0.0))[1]
+    return {route: round(sums[route] / counts[route], 1) for route in sums if counts[route]}
+
+
+def locust_row(port: int, pid: int, connections: int, seconds: int, out: Path) -> dict[str, Any]:
+    """`make loadtest`'s generator offered far more `single` than it sends, same server."""
+    server_before, gen_before = cpu_seconds([pid]), children_cpu()
+    summary = run_scenario("single", port, connections, LOCUST_OFFERED_RPS, seconds, out, 99)
+    server_cpu, gen_cpu = cpu_seconds([pid]) - server_before, children_cpu() - gen_before
+    requests = summary["requests"]
+    return {"generator": "locust", "scenario": "single", "processes": 1,
+            "connections": connections, "requests": requests, "rps": summary["throughput_rps"],
+            "statuses": {"200": requests - summary["failures"], **summary["failures_by_status"]},
+            "socket_errors": 0, "latency_ms": {"50": summary["latency_ms"]["50"], "90": None,
+                                              "99": summary["latency_ms"]["99"]},
+            "server_cpu_ms_per_request": 1000 * server_cpu / max(requests, 1),
+            "generator_cpu_ms_per_request": 1000 * gen_cpu / max(requests, 1),
+            "mean_batch": summary["mean_batch_size"]}
+
+
+def markdown(rows: list[dict[str, Any]], cpu: str) -> str:
+    lines = [f"Closed loop on loopback, {cpu}; the generator shares the cores with the server.",
+             "", "| generator | scenario | processes | connections | req/s | statuses | "
+             "p50 ms | p90 ms | p99 ms | server CPU ms/req | generator CPU ms/req | mean batch |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lat = r["latency_ms"]
+        statuses = ", ".join(f"{s}: {n}" for s, n in sorted(r["statuses"].items()))
+        batches = ", ".join(f"{k}: {v}" for k, v in sorted(r["mean_batch"].items()) if v)
+        p90 = "–" if lat["90"] is None else f"{lat['90']:.0f}"
+        lines.append(f"| {r['generator']} | {r['scenario']} | {r['processes']} | "
+                     f"{r['connections']} | {r['rps']:.0f} | {statuses} | {lat['50']:.0f} | "
+                     f"{p90} | {lat['99']:.0f} | {r['server_cpu_ms_per_request']:.2f} | "
+                     f"{r['generator_cpu_ms_per_request']:.2f} | {batches} |")
+    profiles = [r for r in rows if "profile" in r]
+    if profiles:
+        lines += ["", "Server self time by layer (py-spy, leaf frames, share of samples):", ""]
+        for r in profiles:
+            shares = ", ".join(f"{k} {v:.0%}" for k, v in r["profile"].items() if v >= 0.01)
+            lines.append(f"- {r['scenario']} ({r['processes']} process): {shares}")
+    return "\n".join(lines) + "\n"
+
+
+def serve(bundle: Path, port: int, log: Path) -> subprocess.Popen:
+    server = start_server(bundle, port, log)
+    try:
+        wait_ready(port, server=server)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+def measure(args: argparse.Namespace, processes: int, rows: list[dict[str, Any]]) -> None:
+    ports = [args.port + i for i in range(processes)]
+    servers: list[subprocess.Popen] = []
+    try:
+        for port in ports:
+            servers.append(serve(args.bundle, port, args.out / f"server-{port}.log"))
+        pids = [s.pid for s in servers]
+        for scenario in args.scenarios.split(","):
+            rows.append(drive(ports, pids, scenario, args.connections, args.seconds, args.out,
+                              args.profile and processes == 1))
+            print(json.dumps(rows[-1]), flush=True)
+        if processes == 1 and args.locust:
+            rows.append(locust_row(ports[0], pids[0], args.connections, args.seconds,
+                                   args.out))
+    finally:
+        for server in servers:
+            stop_server(server)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--connections", type=positive, default=64)
+    parser.add_argument("--seconds", type=positive, default=20, help="per scenario")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--processes", type=positive_list, default=(1, 2),
+                        help="comma list: server processes side by side, one run each")
+    parser.add_argument("--profile", action="store_true", help="py-spy the one-process runs")
+    parser.add_argument("--no-locust", dest="locust", action="store_false",
+                        help="skip the Locust row")
+    parser.add_argument("--out", type=Path, default=Path("loadtest/results/wrk"))
+    args = parser.parse_args()
+    check_bundle(parser, args.bundle)
+    unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios {sorted(unknown)}; use {', '.join(SCENARIOS)}")
+    for tool in ["wrk", *(["py-spy"] if args.profile else [])]:
+        if shutil.which(tool) is None:
+            parser.error(f"{tool} is not installed (`make system-deps` / `make install`)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for processes in args.processes:
+        measure(args, processes, rows)
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU")
+    cpu = f"{cpu}, {psutil.cpu_count()} cores"
+    publish(args.out, "wrk", {"cpu": cpu, "rows": rows}, markdown(rows, cpu))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
