@@ -1,7 +1,9 @@
 -- wrk script for `python -m loadtest.wrk`: POST /v1/retrieve, one query of the list per request
 -- in turn, the route named by the first script argument (single|diffusion|ar; mix: none, the
 -- service's A/B split decides); counts every status and prints one JSON line at the end.
--- Usage: wrk -t2 -c64 -d20s -s loadtest/wrk.lua http://127.0.0.1:8765 -- diffusion q1 q2 ...
+-- The second argument: "honor" waits out a 429's Retry-After before the thread's next request,
+-- as a well-behaved client does (run one connection per thread: -t C -c C), "ignore" does not.
+-- Usage: wrk -t64 -c64 -d20s -s loadtest/wrk.lua http://127.0.0.1:8765 -- diffusion honor q1 ...
 
 local threads = {}
 
@@ -11,8 +13,10 @@ end
 
 function init(args)
   local route = args[1]
+  honor = args[2] == "honor"
+  pause_ms = 0
   bodies = {}
-  for i = 2, #args do
+  for i = 3, #args do
     local field = (route ~= "mix") and (', "route": "' .. route .. '"') or ""
     bodies[#bodies + 1] = '{"query": "' .. args[i] .. '", "k": 10' .. field .. '}'
   end
@@ -26,8 +30,17 @@ function request()
                     bodies[turn])
 end
 
+function delay()
+  local ms = pause_ms
+  pause_ms = 0
+  return ms
+end
+
 function response(status, headers, body)
   statuses[status] = (statuses[status] or 0) + 1
+  if honor and status == 429 then
+    pause_ms = 1000 * (tonumber(headers["retry-after"] or headers["Retry-After"] or "1") or 1)
+  end
 end
 
 function done(summary, latency, requests)

@@ -42,6 +42,7 @@ from loadtest.run import (
 from training.commands import positive, positive_list
 
 SCRIPT = Path(__file__).with_name("wrk.lua")
+PY_SPY = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:/usr/bin:/usr/local/bin")
 LOCUST_OFFERED_RPS = 4000  # far past what one Locust process sends on these cores
 # py-spy's leaf frames, by file path, to the layer that spent the time (first match wins)
 LAYERS = (("onnxruntime", "ONNX Runtime"), ("faiss", "FAISS"), ("numpy", "numpy"),
@@ -54,11 +55,14 @@ LAYERS = (("onnxruntime", "ONNX Runtime"), ("faiss", "FAISS"), ("numpy", "numpy"
           ("service/", "r4t service code"))
 
 
-def run_wrk(port: int, scenario: str, connections: int, seconds: int, threads: int,
+def run_wrk(port: int, scenario: str, connections: int, seconds: int, clients: str,
             out: Path) -> subprocess.Popen:
-    """Start wrk against one server, its output into `out`."""
+    """Start wrk against one server, its output into `out`. `clients`: "honor" waits out a
+    429's Retry-After (one connection per wrk thread, so the pause is that client's), "ignore"
+    sends again at once (2 threads)."""
+    threads = connections if clients == "honor" else min(2, connections)
     command = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s",
-               "-s", str(SCRIPT), f"http://{HOST}:{port}", "--", scenario, *QUERIES]
+               "-s", str(SCRIPT), f"http://{HOST}:{port}", "--", scenario, clients, *QUERIES]
     with out.open("w") as handle:
         return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT)
 
@@ -91,7 +95,7 @@ def profiled(pid: int, seconds: int, path: Path | None):
     if path is None:
         yield
         return
-    spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(seconds),
+    spy = subprocess.Popen([PY_SPY, "record", "--pid", str(pid), "--duration", str(seconds),
                             "--rate", "100", "--format", "raw", "--nonblocking", "--output",
                             str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -113,17 +117,17 @@ def layers(path: Path) -> dict[str, float]:
 
 
 def drive(ports: list[int], pids: list[int], scenario: str, connections: int, seconds: int,
-          out_dir: Path, profile: bool) -> dict[str, Any]:
+          out_dir: Path, profile: bool, clients: str = "honor") -> dict[str, Any]:
     """One wrk per server, `connections` shared among them, all at once."""
     before_batch = [batch_totals(p) for p in ports]
     server_before, gen_before = cpu_seconds(pids), children_cpu()
     share = max(connections // len(ports), 1)
-    outs = [out_dir / f"wrk-{scenario}-{len(ports)}p-{port}.txt" for port in ports]
-    spied = out_dir / f"profile-{scenario}-{len(ports)}p.txt"
+    outs = [out_dir / f"wrk-{scenario}-{clients}-{len(ports)}p-{port}.txt" for port in ports]
+    spied = out_dir / f"profile-{scenario}-{clients}-{len(ports)}p.txt"
     with ExitStack() as stack:
         if profile:
             stack.enter_context(profiled(pids[0], seconds, spied))
-        runs = [run_wrk(port, scenario, share, seconds, max(2 // len(ports), 1), out)
+        runs = [run_wrk(port, scenario, share, seconds, clients, out)
                 for port, out in zip(ports, outs, strict=True)]
         for process in runs:
             process.wait(timeout=seconds + 60)
@@ -134,7 +138,8 @@ def drive(ports: list[int], pids: list[int], scenario: str, connections: int, se
     statuses: Counter[str] = Counter()
     for r in results:
         statuses.update(r["statuses"])
-    row = {"generator": "wrk", "scenario": scenario, "processes": len(ports),
+    row = {"generator": "wrk", "clients": clients, "scenario": scenario,
+           "processes": len(ports),
            "connections": connections, "requests": requests, "rps": requests / duration,
            "statuses": dict(statuses), "socket_errors": sum(sum(r["errors"].values())
                                                             for r in results),
@@ -167,7 +172,7 @@ def locust_row(port: int, pid: int, connections: int, seconds: int, out: Path) -
     summary = run_scenario("single", port, connections, LOCUST_OFFERED_RPS, seconds, out, 99)
     server_cpu, gen_cpu = cpu_seconds([pid]) - server_before, children_cpu() - gen_before
     requests = summary["requests"]
-    return {"generator": "locust", "scenario": "single", "processes": 1,
+    return {"generator": "locust", "clients": "paced", "scenario": "single", "processes": 1,
             "connections": connections, "requests": requests, "rps": summary["throughput_rps"],
             "statuses": {"200": requests - summary["failures"], **summary["failures_by_status"]},
             "socket_errors": 0, "latency_ms": {"50": summary["latency_ms"]["50"], "90": None,
@@ -177,17 +182,35 @@ def locust_row(port: int, pid: int, connections: int, seconds: int, out: Path) -
             "mean_batch": summary["mean_batch_size"]}
 
 
-def markdown(rows: list[dict[str, Any]], cpu: str) -> str:
+def bundle_note(bundle: Path) -> str:
+    """Which bundle was served: its diffusion and fan-out stages' sizes decide the paths' cost."""
+    def config(name: str) -> dict[str, Any]:
+        path = bundle / name
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    diffusion, folm = config("diffusion/diffusion.json"), config("folm/folm.json")
+    context = diffusion.get("context", 0)
+    attends = f"context {context} ({diffusion.get('context_source')})" if context else \
+        "no context"
+    return (f"`{bundle}`: denoiser {diffusion.get('params', 0):,} parameters, {attends}, "
+            f"{diffusion.get('draws', 1)} draws; fan-out model {folm.get('params', 0):,} "
+            "parameters")
+
+
+def markdown(rows: list[dict[str, Any]], cpu: str, bundle: str) -> str:
     lines = [f"Closed loop on loopback, {cpu}; the generator shares the cores with the server.",
-             "", "| generator | scenario | processes | connections | req/s | statuses | "
+             f"Bundle {bundle}.",
+             "Clients: `honor` wait out a 429's Retry-After, `ignore` send again at once; "
+             "Locust's are paced to an offered rate past what it can send.",
+             "", "| generator | clients | scenario | processes | connections | req/s | statuses | "
              "p50 ms | p90 ms | p99 ms | server CPU ms/req | generator CPU ms/req | mean batch |",
-             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lat = r["latency_ms"]
         statuses = ", ".join(f"{s}: {n}" for s, n in sorted(r["statuses"].items()))
-        batches = ", ".join(f"{k}: {v}" for k, v in sorted(r["mean_batch"].items()) if v)
+        batches = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(r["mean_batch"].items()) if v)
         p90 = "–" if lat["90"] is None else f"{lat['90']:.0f}"
-        lines.append(f"| {r['generator']} | {r['scenario']} | {r['processes']} | "
+        lines.append(f"| {r['generator']} | {r['clients']} | {r['scenario']} | {r['processes']} | "
                      f"{r['connections']} | {r['rps']:.0f} | {statuses} | {lat['50']:.0f} | "
                      f"{p90} | {lat['99']:.0f} | {r['server_cpu_ms_per_request']:.2f} | "
                      f"{r['generator_cpu_ms_per_request']:.2f} | {batches} |")
@@ -196,7 +219,7 @@ def markdown(rows: list[dict[str, Any]], cpu: str) -> str:
         lines += ["", "Server self time by layer (py-spy, leaf frames, share of samples):", ""]
         for r in profiles:
             shares = ", ".join(f"{k} {v:.0%}" for k, v in r["profile"].items() if v >= 0.01)
-            lines.append(f"- {r['scenario']} ({r['processes']} process): {shares}")
+            lines.append(f"- {r['scenario']}, clients {r['clients']}: {shares}")
     return "\n".join(lines) + "\n"
 
 
@@ -217,16 +240,25 @@ def measure(args: argparse.Namespace, processes: int, rows: list[dict[str, Any]]
         for port in ports:
             servers.append(serve(args.bundle, port, args.out / f"server-{port}.log"))
         pids = [s.pid for s in servers]
-        for scenario in args.scenarios.split(","):
-            rows.append(drive(ports, pids, scenario, args.connections, args.seconds, args.out,
-                              args.profile and processes == 1))
-            print(json.dumps(rows[-1]), flush=True)
+        kinds = args.clients if processes == 1 else args.clients[:1]
+        for clients in kinds:
+            for scenario in args.scenarios.split(","):
+                rows.append(drive(ports, pids, scenario, args.connections, args.seconds,
+                                  args.out, args.profile and processes == 1, clients))
+                print(json.dumps(rows[-1]), flush=True)
         if processes == 1 and args.locust:
             rows.append(locust_row(ports[0], pids[0], args.connections, args.seconds,
                                    args.out))
     finally:
         for server in servers:
             stop_server(server)
+
+
+def client_kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(text.split(","))
+    if not kinds or set(kinds) - {"honor", "ignore"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of honor, ignore")
+    return kinds
 
 
 def main() -> None:
@@ -238,6 +270,9 @@ def main() -> None:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--processes", type=positive_list, default=(1, 2),
                         help="comma list: server processes side by side, one run each")
+    parser.add_argument("--clients", type=client_kinds, default=("honor", "ignore"),
+                        help="comma list: clients that honor a 429's Retry-After, or ignore it "
+                             "(one process only; the first kind alone past one)")
     parser.add_argument("--profile", action="store_true", help="py-spy the one-process runs")
     parser.add_argument("--no-locust", dest="locust", action="store_false",
                         help="skip the Locust row")
@@ -247,9 +282,10 @@ def main() -> None:
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; use {', '.join(SCENARIOS)}")
-    for tool in ["wrk", *(["py-spy"] if args.profile else [])]:
-        if shutil.which(tool) is None:
-            parser.error(f"{tool} is not installed (`make system-deps` / `make install`)")
+    if shutil.which("wrk") is None:
+        parser.error("wrk is not installed (`make system-deps`)")
+    if args.profile and PY_SPY is None:
+        parser.error("py-spy is not installed beside this Python (`make install`)")
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for processes in args.processes:
@@ -258,7 +294,9 @@ def main() -> None:
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
     cpu = f"{cpu}, {psutil.cpu_count()} cores"
-    publish(args.out, "wrk", {"cpu": cpu, "rows": rows}, markdown(rows, cpu))
+    bundle = bundle_note(args.bundle)
+    publish(args.out, "wrk", {"cpu": cpu, "bundle": bundle, "rows": rows},
+            markdown(rows, cpu, bundle))
 
 
 if __name__ == "__main__":
