@@ -11,6 +11,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from service.errors import InputError
+
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -35,10 +37,10 @@ def device_of(requested: str = "auto") -> Device:
     import torch
 
     if requested not in DEVICES:
-        raise ValueError(f"unknown device {requested!r}; use one of {DEVICES}")
+        raise InputError(f"unknown device {requested!r}; use one of {DEVICES}")
     cuda = torch.cuda.is_available() and requested != "cpu"
     if requested == "cuda" and not cuda:
-        raise ValueError("--device cuda: torch sees no GPU (the CPU wheel, or no driver)")
+        raise InputError("--device cuda: torch sees no GPU (the CPU wheel, or no driver)")
     if not cuda:
         return Device("cpu", 0, False, False, "cpu")
     return Device("cuda", torch.cuda.device_count(), torch.cuda.is_bf16_supported(),

@@ -1,4 +1,4 @@
-"""make overload, soak, chaos and wrk refuse bad input with a usage error before starting anything."""
+"""make overload, soak, chaos and wrk refuse bad input with a usage error before starting."""
 
 from __future__ import annotations
 

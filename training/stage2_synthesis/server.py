@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from service.errors import UnavailableError
+
 READY_S = 900.0  # a 4B checkpoint loads and compiles its CUDA graphs in minutes
 POLL_S = 0.5
 STOP_S = 30.0
@@ -63,7 +65,7 @@ def wait_ready(process: subprocess.Popen, base_url: str, log: Path, ready_s: flo
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"the model server exited ({process.returncode}) before "
+                raise UnavailableError(f"the model server exited ({process.returncode}) before "
                                    f"it was ready; {log}:\n{tail(log)}")
             try:
                 if client.get(f"{base_url}/health").status_code == 200:
@@ -71,7 +73,7 @@ def wait_ready(process: subprocess.Popen, base_url: str, log: Path, ready_s: flo
             except httpx.TransportError:
                 pass
             time.sleep(POLL_S)
-    raise RuntimeError(f"the model server was not ready after {ready_s:.0f} s; {log}:\n"
+    raise UnavailableError(f"the model server was not ready after {ready_s:.0f} s; {log}:\n"
                        f"{tail(log)}")
 
 

@@ -29,6 +29,7 @@ shards/shard-NNNNN.npz + .jsonl (resumable: finished shards are skipped) and led
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 from collections.abc import Iterator
@@ -352,6 +353,9 @@ def open_sampler(
             raise ValueError("the http backend needs --endpoint (e.g. http://127.0.0.1:8000)")
         yield HttpSampler(config.endpoint, config.model)
     else:
+        if importlib.util.find_spec("vllm") is None:
+            raise InputError("the vllm backend needs vllm installed (docs/gpu.md); use "
+                             "--backend torch or auto")
         if config.decoding in NAME_SCOPES:
             raise InputError(f"the vllm backend takes one regular expression for every prompt, "
                              f"not --decoding {config.decoding}; use lines or free")

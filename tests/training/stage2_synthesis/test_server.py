@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.errors import UnavailableError
 from training.stage2_synthesis.server import free_port, served, vllm_command
 
 
@@ -33,14 +34,14 @@ def test_the_server_answers_inside_the_block_and_is_stopped_after(tmp_path: Path
 
 def test_a_server_that_exits_is_an_error_with_its_log(tmp_path: Path) -> None:
     command = [sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(3)"]
-    with pytest.raises(RuntimeError, match=r"exited \(3\)[\s\S]*no GPU here"), \
+    with pytest.raises(UnavailableError, match=r"exited \(3\)[\s\S]*no GPU here"), \
             served(command, f"http://127.0.0.1:{free_port()}", tmp_path / "server.log"):
         pass
 
 
 def test_a_server_that_never_gets_ready_times_out(tmp_path: Path) -> None:
     port = free_port()  # serves, but has no /health: 404 until the deadline
-    with pytest.raises(RuntimeError, match="not ready after"), \
+    with pytest.raises(UnavailableError, match="not ready after"), \
             served(file_server(tmp_path, port), f"http://127.0.0.1:{port}",
                    tmp_path / "server.log", ready_s=1.5):
         pass
@@ -61,7 +62,8 @@ def test_a_server_dies_with_the_process_that_holds_it(tmp_path: Path) -> None:
     holder = textwrap.dedent(f"""
         import os, signal, sys
         from pathlib import Path
-        from training.stage2_synthesis.server import served
+        from service.errors import UnavailableError
+from training.stage2_synthesis.server import served
         command = {file_server(tmp_path, port)!r}
         with served(command, "http://127.0.0.1:{port}", Path({str(tmp_path / 'log')!r})):
             print("ready", flush=True)
