@@ -60,8 +60,8 @@ loadtest: bundle
 	$(PY) -m loadtest.run --bundle $(BUNDLE) --out loadtest/results
 
 # The HTTP stack at its limit: wrk (compiled) closed loop, 64 connections, every scenario, one
-# server process then two side by side, Locust's `single` beside it, py-spy's profile (run alone)
-# -> loadtest/results/wrk/
+# server process then two pinned one-core ones, Locust's `single` beside it, then py-spy over
+# untimed passes (run alone; ~8 min) -> loadtest/results/wrk/
 wrk: bundle
 	$(PY) -m loadtest.wrk --bundle $(BUNDLE) --profile --out loadtest/results/wrk
 

@@ -32,12 +32,14 @@ HOST = "127.0.0.1"
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 
-def start_server(bundle: Path, port: int, log: Path, **overrides: str) -> subprocess.Popen:
-    """`r4t serve` of `bundle` on loopback; `overrides` are R4T_* variables."""
+def start_server(bundle: Path, port: int, log: Path, prefix: tuple[str, ...] = (),
+                 **overrides: str) -> subprocess.Popen:
+    """`r4t serve` of `bundle` on loopback (under `prefix`, e.g. taskset); `overrides` are R4T_*
+    variables."""
     env = {**os.environ, "R4T_BUNDLE": str(bundle), "R4T_HOST": HOST, "R4T_PORT": str(port),
            "R4T_LOG_LEVEL": "warning", **overrides}
     handle = log.open("w")
-    return subprocess.Popen([sys.executable, "-m", "training.cli", "serve"], env=env,
+    return subprocess.Popen([*prefix, sys.executable, "-m", "training.cli", "serve"], env=env,
                             stdout=handle, stderr=subprocess.STDOUT)
 
 

@@ -1,14 +1,16 @@
 """`make wrk`: the service at the HTTP stack's limit, driven by wrk (Debian's `wrk`, compiled C
 with LuaJIT), closed loop with C connections.
 
-Per scenario (single, diffusion, ar, the A/B mix): throughput, latency, statuses, the mean
-batch, and the CPU seconds the server and the generator each spent per request, so a table
-says whether the generator or the server held the cores. Beside them, in the same run:
+Per scenario (single, diffusion, ar, the A/B mix): responses and answers (200s) per second,
+latency, statuses, the mean batch, and the CPU the server and the generator each spent per
+response, so a table says whether the generator or the server held the cores. Each scenario
+starts once the server has nothing in flight. Beside them, in the same run:
 - Locust (the `make loadtest` generator) offered far more `single` than it can send: its
-  throughput and CPU per request against wrk's, on the same server;
-- with `--processes 2`, two `r4t serve` processes (what uvicorn workers would be: each its own
-  bundle, batcher and event loop), each driven by half the connections;
-- with `--profile`, py-spy samples the server during each wrk run: self time by library.
+  throughput and CPU per response against wrk's, on the same server;
+- with `--processes 2`, two `r4t serve` processes side by side, each pinned to its own core
+  (`taskset`, `R4T_THREADS=1`: a one-core replica), each driven by half the connections;
+- with `--profile`, one more pass per scenario, not timed, while py-spy samples the server:
+  self time by library.
 Writes `wrk.json` and `wrk.md` (and `profile-<scenario>.txt`, py-spy's collapsed stacks).
 """
 
@@ -16,16 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.queries import QUERIES
 from loadtest.report import publish
@@ -89,19 +94,50 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-@contextmanager
-def profiled(pid: int, seconds: int, path: Path | None):
-    """py-spy sampling `pid` for `seconds` while the block runs (nothing without `path`)."""
-    if path is None:
-        yield
-        return
+def reaped_cpu(process: subprocess.Popen, timeout_s: float) -> float:
+    """Wait for `process` and return its own CPU seconds (os.wait4's usage: the generator's
+    alone, whatever else this process started and reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            process.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_utime + usage.ru_stime
+        time.sleep(0.1)
+    process.kill()
+    raise TimeoutError(f"wrk did not finish within {timeout_s:.0f} s")
+
+
+def in_flight(port: int) -> float:
+    text = httpx.get(f"http://{HOST}:{port}/metrics", timeout=10.0).text
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == "r4t_in_flight")
+
+
+def wait_idle(ports: list[int], timeout_s: float = 60.0) -> None:
+    """Until no server has a request in flight: the last scenario's tail is not this one's."""
+    deadline = time.monotonic() + timeout_s
+    while any(in_flight(port) for port in ports):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"requests still in flight after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def profile(port: int, pid: int, scenario: str, connections: int, seconds: int,
+            out_dir: Path) -> dict[str, float]:
+    """A pass of `scenario` (not timed) while py-spy samples the server: layers' shares."""
+    wait_idle([port])
+    spied = out_dir / f"profile-{scenario}.txt"
     spy = subprocess.Popen([PY_SPY, "record", "--pid", str(pid), "--duration", str(seconds),
                             "--rate", "100", "--format", "raw", "--nonblocking", "--output",
-                            str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield
-    finally:
-        spy.wait(timeout=seconds + 60)
+                            str(spied)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    run = run_wrk(port, scenario, connections, seconds, "honor",
+                  out_dir / f"wrk-{scenario}-profiled.txt")
+    run.wait(timeout=seconds + 60)
+    output, _ = spy.communicate(timeout=seconds + 60)
+    if spy.returncode != 0 or not spied.is_file():
+        raise RuntimeError(f"py-spy failed ({spy.returncode}): {output.decode()[-1000:]}")
+    return layers(spied)
 
 
 def layers(path: Path) -> dict[str, float]:
@@ -117,37 +153,32 @@ def layers(path: Path) -> dict[str, float]:
 
 
 def drive(ports: list[int], pids: list[int], scenario: str, connections: int, seconds: int,
-          out_dir: Path, profile: bool, clients: str = "honor") -> dict[str, Any]:
-    """One wrk per server, `connections` shared among them, all at once."""
+          out_dir: Path, clients: str = "honor") -> dict[str, Any]:
+    """One wrk per server, `connections` shared among them, all at once, from an idle
+    server."""
+    wait_idle(ports)
     before_batch = [batch_totals(p) for p in ports]
-    server_before, gen_before = cpu_seconds(pids), children_cpu()
+    server_before = cpu_seconds(pids)
     share = max(connections // len(ports), 1)
     outs = [out_dir / f"wrk-{scenario}-{clients}-{len(ports)}p-{port}.txt" for port in ports]
-    spied = out_dir / f"profile-{scenario}-{clients}-{len(ports)}p.txt"
-    with ExitStack() as stack:
-        if profile:
-            stack.enter_context(profiled(pids[0], seconds, spied))
-        runs = [run_wrk(port, scenario, share, seconds, clients, out)
-                for port, out in zip(ports, outs, strict=True)]
-        for process in runs:
-            process.wait(timeout=seconds + 60)
+    runs = [run_wrk(port, scenario, share, seconds, clients, out)
+            for port, out in zip(ports, outs, strict=True)]
+    gen_cpu = sum(reaped_cpu(process, seconds + 60) for process in runs)
+    server_cpu = cpu_seconds(pids) - server_before
     results = [wrk_result(out) for out in outs]
-    server_cpu, gen_cpu = cpu_seconds(pids) - server_before, children_cpu() - gen_before
     requests = sum(r["requests"] for r in results)
     duration = max(r["duration_us"] for r in results) / 1e6
     statuses: Counter[str] = Counter()
     for r in results:
         statuses.update(r["statuses"])
     row = {"generator": "wrk", "clients": clients, "scenario": scenario,
-           "processes": len(ports),
-           "connections": connections, "requests": requests, "rps": requests / duration,
+           "processes": len(ports), "connections": connections, "requests": requests,
+           "rps": requests / duration, "answered_rps": statuses.get("200", 0) / duration,
            "statuses": dict(statuses), "socket_errors": sum(sum(r["errors"].values())
                                                             for r in results),
            "latency_ms": worst(results), "server_cpu_ms_per_request": 1000 * server_cpu
            / max(requests, 1), "generator_cpu_ms_per_request": 1000 * gen_cpu / max(requests, 1),
            "mean_batch": mean_batches(before_batch, [batch_totals(p) for p in ports])}
-    if profile:
-        row["profile"] = layers(spied)
     return row
 
 
@@ -168,12 +199,15 @@ def mean_batches(before: list[dict], after: list[dict]) -> dict[str, float]:
 
 def locust_row(port: int, pid: int, connections: int, seconds: int, out: Path) -> dict[str, Any]:
     """`make loadtest`'s generator offered far more `single` than it sends, same server."""
+    wait_idle([port])
     server_before, gen_before = cpu_seconds([pid]), children_cpu()
     summary = run_scenario("single", port, connections, LOCUST_OFFERED_RPS, seconds, out, 99)
     server_cpu, gen_cpu = cpu_seconds([pid]) - server_before, children_cpu() - gen_before
     requests = summary["requests"]
     return {"generator": "locust", "clients": "paced", "scenario": "single", "processes": 1,
             "connections": connections, "requests": requests, "rps": summary["throughput_rps"],
+            "answered_rps": summary["throughput_rps"] * (requests - summary["failures"])
+            / max(requests, 1),
             "statuses": {"200": requests - summary["failures"], **summary["failures_by_status"]},
             "socket_errors": 0, "latency_ms": {"50": summary["latency_ms"]["50"], "90": None,
                                               "99": summary["latency_ms"]["99"]},
@@ -197,34 +231,42 @@ def bundle_note(bundle: Path) -> str:
             "parameters")
 
 
-def markdown(rows: list[dict[str, Any]], cpu: str, bundle: str) -> str:
+def markdown(rows: list[dict[str, Any]], cpu: str, bundle: str,
+             profiles: dict[str, dict[str, float]] | None = None) -> str:
     lines = [f"Closed loop on loopback, {cpu}; the generator shares the cores with the server.",
              f"Bundle {bundle}.",
              "Clients: `honor` wait out a 429's Retry-After, `ignore` send again at once; "
-             "Locust's are paced to an offered rate past what it can send.",
-             "", "| generator | clients | scenario | processes | connections | req/s | statuses | "
-             "p50 ms | p90 ms | p99 ms | server CPU ms/req | generator CPU ms/req | mean batch |",
-             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+             "Locust's are paced to an offered rate past what it can send. Two processes: each "
+             "pinned to its own core, `R4T_THREADS=1`. Latency and CPU are per response, 429s "
+             "included; answered/s counts 200s.",
+             "", "| generator | clients | scenario | processes | connections | responses/s | "
+             "answered/s | statuses | p50 ms | p90 ms | p99 ms | server CPU ms/resp | "
+             "generator CPU ms/resp | mean batch |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lat = r["latency_ms"]
         statuses = ", ".join(f"{s}: {n}" for s, n in sorted(r["statuses"].items()))
         batches = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(r["mean_batch"].items()) if v)
         p90 = "–" if lat["90"] is None else f"{lat['90']:.0f}"
         lines.append(f"| {r['generator']} | {r['clients']} | {r['scenario']} | {r['processes']} | "
-                     f"{r['connections']} | {r['rps']:.0f} | {statuses} | {lat['50']:.0f} | "
+                     f"{r['connections']} | {r['rps']:.0f} | {r['answered_rps']:.0f} | "
+                     f"{statuses} | {lat['50']:.0f} | "
                      f"{p90} | {lat['99']:.0f} | {r['server_cpu_ms_per_request']:.2f} | "
                      f"{r['generator_cpu_ms_per_request']:.2f} | {batches} |")
-    profiles = [r for r in rows if "profile" in r]
     if profiles:
-        lines += ["", "Server self time by layer (py-spy, leaf frames, share of samples):", ""]
-        for r in profiles:
-            shares = ", ".join(f"{k} {v:.0%}" for k, v in r["profile"].items() if v >= 0.01)
-            lines.append(f"- {r['scenario']}, clients {r['clients']}: {shares}")
+        lines += ["", "Server self time by layer (py-spy at 100 Hz over a separate, untimed pass "
+                  "of honoring clients, one process; leaf frames, share of samples):", ""]
+        for scenario, shares in profiles.items():
+            text = ", ".join(f"{k} {v:.0%}" for k, v in shares.items() if v >= 0.01)
+            lines.append(f"- {scenario}: {text}")
     return "\n".join(lines) + "\n"
 
 
-def serve(bundle: Path, port: int, log: Path) -> subprocess.Popen:
-    server = start_server(bundle, port, log)
+def serve(bundle: Path, port: int, log: Path, core: int | None) -> subprocess.Popen:
+    """`r4t serve` ready on `port`; with a `core`, pinned to it with one compute thread."""
+    pinned = {"R4T_THREADS": "1"} if core is not None else {}
+    prefix = ("taskset", "-c", str(core)) if core is not None else ()
+    server = start_server(bundle, port, log, prefix, **pinned)
     try:
         wait_ready(port, server=server)
     except BaseException:
@@ -233,22 +275,29 @@ def serve(bundle: Path, port: int, log: Path) -> subprocess.Popen:
     return server
 
 
-def measure(args: argparse.Namespace, processes: int, rows: list[dict[str, Any]]) -> None:
+def measure(args: argparse.Namespace, processes: int, rows: list[dict[str, Any]],
+            profiles: dict[str, dict[str, float]]) -> None:
+    """Every scenario against `processes` servers (past one, each on its own core), then,
+    with one, Locust's row and the profiling passes."""
     ports = [args.port + i for i in range(processes)]
     servers: list[subprocess.Popen] = []
     try:
-        for port in ports:
-            servers.append(serve(args.bundle, port, args.out / f"server-{port}.log"))
+        for i, port in enumerate(ports):
+            core = i % os.cpu_count() if processes > 1 else None
+            servers.append(serve(args.bundle, port, args.out / f"server-{port}.log", core))
         pids = [s.pid for s in servers]
         kinds = args.clients if processes == 1 else args.clients[:1]
         for clients in kinds:
             for scenario in args.scenarios.split(","):
                 rows.append(drive(ports, pids, scenario, args.connections, args.seconds,
-                                  args.out, args.profile and processes == 1, clients))
+                                  args.out, clients))
                 print(json.dumps(rows[-1]), flush=True)
         if processes == 1 and args.locust:
             rows.append(locust_row(ports[0], pids[0], args.connections, args.seconds,
                                    args.out))
+        for scenario in args.scenarios.split(",") if processes == 1 and args.profile else ():
+            profiles[scenario] = profile(ports[0], pids[0], scenario, args.connections,
+                                         args.seconds, args.out)
     finally:
         for server in servers:
             stop_server(server)
@@ -288,15 +337,16 @@ def main() -> None:
         parser.error("py-spy is not installed beside this Python (`make install`)")
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    profiles: dict[str, dict[str, float]] = {}
     for processes in args.processes:
-        measure(args, processes, rows)
+        measure(args, processes, rows, profiles)
     cpu = next((line.split(":", 1)[1].strip() for line in
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
     cpu = f"{cpu}, {psutil.cpu_count()} cores"
     bundle = bundle_note(args.bundle)
-    publish(args.out, "wrk", {"cpu": cpu, "bundle": bundle, "rows": rows},
-            markdown(rows, cpu, bundle))
+    publish(args.out, "wrk", {"cpu": cpu, "bundle": bundle, "rows": rows,
+                              "profiles": profiles}, markdown(rows, cpu, bundle, profiles))
 
 
 if __name__ == "__main__":

@@ -68,8 +68,8 @@ PIPELINE = (*CATALOG_STAGES, "folm-warmstart", "folm", "synthesis", "diffusion")
 BUNDLE_PRESETS = ("cpu", "tiny", "gpu", "gpu-smoke")
 LLM_PRESETS = ("gpu", "gpu-smoke")  # the accelerator recipe (docs/gpu.md): they need an init
 RUN_KEY = "build-key.json"  # in a stage's run folder: the config and inputs it was started for
-GPU_DIFFUSION_STEPS = 200_000  # the paper preset's batch of 512, ~1 epoch of 100M blocks
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json")
+GPU_DIFFUSION_STEPS = 200_000  # × the paper's batch of 512: ~650 passes over ~158k blocks
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".json")  # weights, configs, tokenizer
 
 
 @dataclass(frozen=True)
@@ -154,11 +154,11 @@ def stage_keys(catalog: CatalogConfig, configs: StageConfigs | None = None) -> d
 
 def init_key(init: Path) -> dict[str, Any]:
     """What the `folm-warmstart` stage of a bundle trained from `init` is current by: the
-    checkpoint's place, config and the size and time of each weight file (hashing a 4B
+    checkpoint's place, config and the size and time of each of its files (hashing a 4B
     model's weights at every plan would take a minute), and the prompt it is given."""
     from training.stage1_fanout.policy import foreign_policy
 
-    files = sorted(path for path in init.iterdir() if path.suffix in WEIGHT_SUFFIXES)
+    files = sorted(path for path in init.iterdir() if path.suffix in CHECKPOINT_SUFFIXES)
     return {"init": {"path": str(init), "config_sha256": sha256_file(init / "config.json"),
                      "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]},
             "policy": foreign_policy()}
@@ -407,20 +407,22 @@ def _build_folm(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     run_dir = _run_dir(build, manifest, "folm", run_dir_for(build.bundle_dir, configs.grpo.reward))
     device = device_of()
     if device.kind == "cuda" and not distributed():
-        _launch_grpo(build, configs.grpo.preset, init, device.count)
+        _launch_grpo(build, configs.grpo, init, device.count)
         final = _checkpoint(run_dir / FINAL, "folm")
     else:
         final = train_grpo(build.bundle_dir, configs.grpo, init, run_dir, device=device.kind)
     return _export_policy(build, final, "folm")
 
 
-def _launch_grpo(build: _Build, preset: str, init: Path, gpus: int) -> None:
-    """GRPO on the GPUs: `r4t train folm` under `accelerate launch`, data-parallel over
-    every GPU, into the run folder this build prepared (the preset's). In its own processes
-    even on one GPU: their exit frees the GPU memory (TRL's vLLM engine's too) for stage 2."""
+def _launch_grpo(build: _Build, config: GrpoConfig, init: Path, gpus: int) -> None:
+    """GRPO on the GPUs: `r4t train folm` under `accelerate launch`, data-parallel over as
+    many GPUs as split a step's prompts evenly, into the run folder this build prepared (the
+    preset's). In its own processes even on one GPU: their exit frees the GPU memory (TRL's
+    vLLM engine's too) for stage 2."""
+    processes = max(n for n in range(1, gpus + 1) if config.queries_per_step % n == 0)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes",
-               str(gpus), "-m", "training.cli", "--bundle", str(build.bundle_dir), "train",
-               "folm", "--preset", preset, "--init", str(init)]
+               str(processes), "-m", "training.cli", "--bundle", str(build.bundle_dir), "train",
+               "folm", "--preset", config.preset, "--init", str(init)]
     print("== " + " ".join(command), flush=True)
     subprocess.run(command, check=True)
 

@@ -12,10 +12,11 @@ the policy sampled from (training/stage1_fanout/grpo_trainer.py).
 Ablations: `--reward ground`, `ground+align` or `all` select which of the paper's terms count;
 `--reward ablation` runs the three and writes their report (training/stage1_fanout/ablation.py).
 
-On a GPU (`training.device`) the same run trains in bfloat16 with activation checkpointing,
-samples through TRL's vLLM engine (colocated) when `vllm` is installed and the decoding is one
-regular expression ("lines", "free"), and spreads over every GPU under `accelerate launch`
-(docs/gpu.md). `--init` starts from any local HF causal-LM checkpoint instead of the warm start.
+On a GPU (`training.device`) the same run trains fp32 weights under bfloat16 autocast with
+activation checkpointing, samples through TRL's vLLM engine (colocated) when `vllm` is installed
+and the decoding is one regular expression ("lines", "free"), and spreads over every GPU under
+`accelerate launch` (docs/gpu.md). `--init` starts from any local HF causal-LM checkpoint
+instead of the warm start.
 
 Run directory `models/<bundle>/runs/folm-<reward>/`: config.json, checkpoint-*/ (resumable),
 final/ (HF checkpoint), curves.json and curves.png.
@@ -306,7 +307,8 @@ def vllm_of(decoding: str, device: Device, k: int) -> dict[str, Any]:
     if not device.vllm or decoding in NAME_SCOPES:
         return {}
     regex = lines_regex(k) if decoding == "lines" else None
-    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.35,
+    # 20% of the GPU: a 4B policy's training state takes ~90 GB of a 141 GB H200 (docs/gpu.md)
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.2,
             "vllm_structured_outputs_regex": regex}
 
 

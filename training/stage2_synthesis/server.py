@@ -3,8 +3,8 @@ policy (`--backend vllm`), which the http backend then samples.
 
 Hand-written because vLLM ships the server but no way to hold one for a with-block: start it in
 its own process group, wait until `/health` answers (or the process dies, with its log's tail
-in the error), stop the group on the way out, whatever happened; a build killed outright takes
-the server with it (the parent-death signal), so no orphan holds the GPU.
+in the error), stop the group on the way out, whatever happened. A build killed outright sends
+the server SIGTERM (the parent-death signal), which shuts its engine workers down with it.
 """
 
 from __future__ import annotations

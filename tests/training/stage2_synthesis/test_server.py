@@ -4,6 +4,7 @@ vLLM (which needs a GPU): Python's own, serving a folder whose `health` file ans
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -62,15 +63,16 @@ def test_a_server_dies_with_the_process_that_holds_it(tmp_path: Path) -> None:
     holder = textwrap.dedent(f"""
         import os, signal, sys
         from pathlib import Path
-        from service.errors import UnavailableError
-from training.stage2_synthesis.server import served
+        from training.stage2_synthesis.server import served
         command = {file_server(tmp_path, port)!r}
         with served(command, "http://127.0.0.1:{port}", Path({str(tmp_path / 'log')!r})):
             print("ready", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     """)
-    subprocess.run([sys.executable, "-c", holder], cwd=Path(__file__).parents[3], check=False,
-                   timeout=60, capture_output=True)
+    held = subprocess.run([sys.executable, "-c", holder], cwd=Path(__file__).parents[3],
+                          check=False, timeout=60, capture_output=True, text=True)
+    assert "ready" in held.stdout, held.stderr  # the server answered before the kill
+    assert held.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
