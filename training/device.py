@@ -47,6 +47,11 @@ def device_of(requested: str = "auto") -> Device:
                   importlib.util.find_spec("vllm") is not None, torch.cuda.get_device_name(0))
 
 
+def world_size() -> int:
+    """Processes of this run (`accelerate launch` and torchrun set WORLD_SIZE; 1 otherwise)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def distributed() -> bool:
     """True inside an `accelerate launch` (or torchrun) worker."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return world_size() > 1

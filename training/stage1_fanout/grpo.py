@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -46,7 +45,7 @@ from service.runtime.decoding import lines_regex
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
 from training.commands import given
-from training.device import Device
+from training.device import Device, world_size
 
 REWARD_MODES: dict[str, tuple[str, ...]] = {
     "ground": ("ground",),
@@ -285,11 +284,6 @@ def trl_config(config: GrpoConfig, run_dir: Path, max_new_tokens: int, weights: 
         model_init_kwargs={"dtype": "float32"},
         **vllm_of(config.decoding, device, k),
     )
-
-
-def world_size() -> int:
-    """Processes of this run (`accelerate launch` sets WORLD_SIZE; 1 otherwise)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def per_process_batch(config: GrpoConfig, processes: int) -> int:
