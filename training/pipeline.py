@@ -48,9 +48,10 @@ from service.artifacts.bundle import (
 from service.artifacts.items import ItemStore
 from service.artifacts.lexical import LEXICAL_FILE, MAX_DF, TOKENIZER, build_lexical_index
 from service.errors import BundleError
-from service.runtime.encoder import Encoder, EncoderConfig
+from service.runtime.encoder import ENCODER_FOLDER, Encoder, EncoderConfig
 from service.runtime.index import build_index, save_index
 from training.data.catalog import WORDNET, Catalog, load_catalog
+from training.data.encoder import encoder_source, export_encoder, source_key
 from training.data.splits import read_benchmark_file, split_queries, wordnet_queries, write_splits
 from training.device import device_of, distributed
 
@@ -74,11 +75,13 @@ CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".json")  # weights, configs, tok
 
 @dataclass(frozen=True)
 class CatalogConfig:
-    """What the catalog stage builds: source, encoder dimension, index type, split seed."""
+    """What the catalog stage builds: source, encoder and its dimension, index type, split
+    seed."""
 
     source: str = WORDNET  # "wordnet" or a path to a JSONL catalog
     benchmark: str | None = None  # JSONL benchmark for a user's catalog (WordNet derives its own)
     dim: int = 128
+    encoder: str = "wordllama"  # or "minilm", or a local checkpoint (training.data.encoder)
     index_factory: str | None = None  # None = exact inner product ("Flat")
     seed: int = 0
 
@@ -271,6 +274,10 @@ def _build(
             f"{bundle_dir} was built with dim {manifest['encoder']['dim']}, not {config.dim}; "
             "use another bundle name"
         )
+    source_dim = encoder_source(config.encoder).dim
+    if source_dim is not None and source_dim != config.dim:
+        raise BundleError(f"--encoder {config.encoder} gives {source_dim}-d vectors, not "
+                          f"--dim {config.dim}")
     keys = stage_keys(config, configs)
     plan = plan_stages(manifest, keys, force, config.source == WORDNET or bool(config.benchmark))
     print(f"{bundle_dir}:" + "".join(f"\n  {format_step(step)}" for step in plan), flush=True)
@@ -322,17 +329,23 @@ def catalog_stage(
     started = time.perf_counter()
     record: dict[str, Any] = {}
     with stage(bundle_dir, manifest, "catalog", record) as staged:
-        embeddings = embed_texts(Encoder(EncoderConfig(dim=config.dim)), catalog.texts)
+        encoder = catalog_encoder(config, staged)
+        embeddings = embed_texts(Encoder(encoder), catalog.texts)
         with tqdm(total=1, desc=f"index ({config.index_factory or 'Flat'})") as bar:
             index = build_index(embeddings, config.index_factory)
             save_index(index, staged / INDEX_FILE)
             bar.update(1)
         store = ItemStore(catalog.ids, catalog.texts, embeddings, catalog.metadata)
-        files = [*store.save(staged), INDEX_FILE]
+        exported = sorted(p.relative_to(staged).as_posix()
+                          for p in (staged / ENCODER_FOLDER).glob("*"))  # none for WordLlama
+        files = [*store.save(staged), INDEX_FILE, *exported]
         record.update(_stage_record(_catalog_key(config), started, n_items=len(catalog)),
                       files=files)
         manifest["n_items"] = len(catalog)
         manifest["config"] = asdict(config)
+        manifest["encoder"] = {"name": encoder.name, "dim": encoder.dim}
+        if encoder.folder is not None:
+            manifest["encoder"]["folder"] = ENCODER_FOLDER
 
 
 def benchmark_stage(
@@ -527,9 +540,20 @@ def _existing(bundle_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def catalog_encoder(config: CatalogConfig, staged: Path) -> EncoderConfig:
+    """The encoder the catalog is embedded with: WordLlama, or `config.encoder` exported to
+    ONNX into the staged bundle's encoder folder (what the service will run)."""
+    source = encoder_source(config.encoder)
+    if source.folder is None:
+        return EncoderConfig(dim=config.dim)
+    return export_encoder(source, staged / ENCODER_FOLDER)
+
+
 def _catalog_key(config: CatalogConfig) -> dict[str, Any]:
     key: dict[str, Any] = {"source": config.source, "dim": config.dim}
     key["index_factory"] = config.index_factory
+    if config.encoder != CatalogConfig.encoder:  # a WordLlama bundle keeps its earlier key
+        key["encoder"] = source_key(encoder_source(config.encoder))
     if config.source != WORDNET and Path(config.source).is_file():
         key["source_sha256"] = sha256_file(Path(config.source))
     return key

@@ -306,7 +306,9 @@ class Bundle:
     @property
     def encoder_config(self) -> EncoderConfig:
         enc = self.manifest["encoder"]
-        return EncoderConfig(name=enc["name"], dim=int(enc["dim"]))
+        folder = enc.get("folder")  # an exported ONNX encoder inside the bundle
+        return EncoderConfig(name=enc["name"], dim=int(enc["dim"]),
+                             folder=None if folder is None else str(self.path / folder))
 
     def has(self, name: str) -> bool:
         return name in self.manifest.get("files", {})

@@ -1,47 +1,123 @@
-"""Text encoder shared by the offline job and the service: WordLlama, Matryoshka-truncated.
+"""Text encoder shared by the offline job and the service: a bundle setting (manifest `encoder`).
 
-WordLlama ships its 256-d weights inside the wheel; we point `cache_dir` at the package folder
-and disable downloads so that nothing is ever fetched from a hub at run time.
+- WordLlama (the default), Matryoshka-truncated: its 256-d weights ship inside the wheel; we
+  point `cache_dir` at the package folder and disable downloads, so nothing is fetched from a
+  hub at run time.
+- A transformer sentence encoder exported to ONNX into the bundle's `encoder/` folder (model,
+  tokenizer.json, encoder.json; training.data.encoder_export): run in ONNX Runtime with the
+  `tokenizers` library, so the service needs no torch. The catalog stage embeds the catalog
+  with this same object, so items and queries come from one definition.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
+from service.errors import BundleError
+from service.runtime.sessions import open_session
+
 FULL_DIM = 256
 MATRYOSHKA_DIMS = (64, 128, 256)
+WORDLLAMA = "wordllama-l2_supercat"
+ENCODER_FOLDER = "encoder"  # in a bundle: an exported ONNX encoder
+ENCODER_META = "encoder.json"
 
 
 @dataclass(frozen=True)
 class EncoderConfig:
-    """Which encoder and at what (Matryoshka) dimension."""
+    """Which encoder and at what dimension; `folder` holds an exported ONNX encoder."""
 
-    name: str = "wordllama-l2_supercat"
+    name: str = WORDLLAMA
     dim: int = 128
     batch_size: int = 512
+    folder: str | None = None  # None: WordLlama
+
+
+class Backend(Protocol):
+    def embed(self, texts: list[str]) -> np.ndarray: ...
+
+
+class WordLlamaBackend:
+    """WordLlama from its wheel, truncated to a Matryoshka dimension."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        import wordllama
+        from wordllama import WordLlama  # deferred: loading reads ~30 MB of weights
+
+        if config.dim not in MATRYOSHKA_DIMS:
+            raise ValueError(f"encoder dim must be one of {MATRYOSHKA_DIMS}, got {config.dim}")
+        self.batch_size = config.batch_size
+        self._model = WordLlama.load(
+            config="l2_supercat",
+            cache_dir=Path(wordllama.__file__).parent,
+            dim=FULL_DIM,
+            trunc_dim=config.dim if config.dim != FULL_DIM else None,
+            disable_download=True,
+        )
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return np.asarray(self._model.embed(texts, norm=False, batch_size=self.batch_size))
+
+
+class OnnxBackend:
+    """An exported transformer encoder: tokenize, run the graph (pooling inside), (N, dim)."""
+
+    def __init__(self, config: EncoderConfig, threads: int = 0) -> None:
+        from tokenizers import Tokenizer
+
+        folder = Path(str(config.folder))
+        meta = read_meta(folder)
+        if int(meta["dim"]) != config.dim:
+            raise BundleError(f"{folder}: the encoder gives {meta['dim']}-d vectors, the "
+                              f"manifest says {config.dim}")
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.tokenizer.enable_truncation(int(meta["max_length"]))
+        self.tokenizer.no_padding()  # padded per batch below, to that batch's longest text
+        self.pad_id = int(meta.get("pad_id", 0))
+        self.batch_size, self.dim = config.batch_size, config.dim
+        self.session = open_session(folder / str(meta["model"]), None, threads)
+        self.inputs = [i.name for i in self.session.get_inputs()]
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        encodings = self.tokenizer.encode_batch(texts)
+        order = np.argsort([len(e.ids) for e in encodings], kind="stable")  # similar lengths
+        out = np.empty((len(texts), self.dim), dtype=np.float32)  # batch together: little pad
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            out[chunk] = self._run([encodings[i] for i in chunk])
+        return out
+
+    def _run(self, encodings: list) -> np.ndarray:
+        width = max(len(e.ids) for e in encodings)
+        ids = np.full((len(encodings), width), self.pad_id, dtype=np.int64)  # (B, T)
+        mask = np.zeros((len(encodings), width), dtype=np.int64)  # (B, T)
+        for row, e in enumerate(encodings):
+            ids[row, : len(e.ids)], mask[row, : len(e.ids)] = e.ids, 1
+        feeds = {"input_ids": ids, "attention_mask": mask,
+                 "token_type_ids": np.zeros_like(ids)}
+        return self.session.run(None, {k: feeds[k] for k in self.inputs})[0]  # (B, dim)
+
+
+def read_meta(folder: Path) -> dict:
+    """An exported encoder's encoder.json (model file, dim, max_length, pad_id, source)."""
+    path = folder / ENCODER_META
+    if not path.is_file():
+        raise BundleError(f"{folder} holds no exported encoder ({ENCODER_META})")
+    return json.loads(path.read_text())
 
 
 class Encoder:
     """Embeds texts as L2-normalised float32 vectors of `config.dim` dimensions."""
 
-    def __init__(self, config: EncoderConfig | None = None) -> None:
-        import wordllama
-        from wordllama import WordLlama  # deferred: loading reads ~30 MB of weights
-
+    def __init__(self, config: EncoderConfig | None = None, threads: int = 0) -> None:
         self.config = config or EncoderConfig()
-        if self.config.dim not in MATRYOSHKA_DIMS:
-            raise ValueError(f"encoder dim must be one of {MATRYOSHKA_DIMS}, got {self.config.dim}")
-        package_dir = Path(wordllama.__file__).parent
-        self._model = WordLlama.load(
-            config="l2_supercat",
-            cache_dir=package_dir,
-            dim=FULL_DIM,
-            trunc_dim=self.config.dim if self.config.dim != FULL_DIM else None,
-            disable_download=True,
-        )
+        self._backend: Backend = (WordLlamaBackend(self.config) if self.config.folder is None
+                                  else OnnxBackend(self.config, threads))
 
     @property
     def dim(self) -> int:
@@ -51,8 +127,7 @@ class Encoder:
         """Return (N, dim) float32 unit vectors; an empty list gives a (0, dim) array."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        raw = self._model.embed(list(texts), norm=False, batch_size=self.config.batch_size)
-        return normalize(np.asarray(raw, dtype=np.float32))
+        return normalize(np.asarray(self._backend.embed(list(texts)), dtype=np.float32))
 
 
 def normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:

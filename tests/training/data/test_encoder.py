@@ -1,0 +1,126 @@
+"""The encoder as a bundle setting: a transformer checkpoint exported to ONNX into the bundle,
+the catalog embedded by it, the service encoding queries with it (no torch there)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.artifacts.bundle import load_bundle
+from service.errors import BundleError
+from service.runtime.encoder import Encoder
+from training.data.encoder import encoder_source, export_encoder
+from training.pipeline import CatalogConfig, build_catalog
+
+WORDS = ["tree", "oak", "pine", "a", "of", "the", "tall", "plant", "wood", "with", "leaves"]
+
+
+def tiny_checkpoint(folder: Path) -> Path:
+    """A random 32-d, one-layer BERT with a word-level WordPiece tokenizer, saved as a
+    sentence-transformers folder would be (config, weights, tokenizer.json, pooling)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", *WORDS])}
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]",
+                            cls_token="[CLS]", sep_token="[SEP]").save_pretrained(folder)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+    BertModel(config).save_pretrained(folder)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": 1}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def encoder_bundle(tmp_path_factory: pytest.TempPathFactory, small_sources, checkpoint) -> Path:
+    catalog, benchmark = small_sources
+    bundle_dir = tmp_path_factory.mktemp("bundles") / "tiny-bert"
+    build_catalog(bundle_dir, CatalogConfig(source=str(catalog), benchmark=str(benchmark),
+                                            dim=32, encoder=str(checkpoint)))
+    return bundle_dir
+
+
+def test_exported_encoder_matches_the_checkpoint_whatever_the_batch(checkpoint, tmp_path):
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    encoder = Encoder(export_encoder(encoder_source(str(checkpoint)), tmp_path / "encoder"))
+    texts = ["oak", "a tall tree of the pine with leaves", "wood", "plant with leaves"]
+    model = AutoModel.from_pretrained(str(checkpoint)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    expected = []
+    for text in texts:  # one text at a time: no padding anywhere
+        batch = tokenizer([text], return_tensors="pt")
+        with torch.no_grad():
+            expected.append(model(**batch).last_hidden_state.mean(1)[0].numpy())
+    expected = np.stack(expected) / np.linalg.norm(expected, axis=1, keepdims=True)
+    np.testing.assert_allclose(encoder.encode(texts), expected, atol=1e-5)  # padded, reordered
+    assert encoder.encode([]).shape == (0, 32)
+
+
+def test_bundle_embeds_its_catalog_with_the_encoder_it_serves(encoder_bundle):
+    bundle = load_bundle(encoder_bundle)
+    assert bundle.manifest["encoder"] == {"name": "checkpoint0", "dim": 32, "folder": "encoder"}
+    texts = bundle.items.texts[:5]
+    served = Encoder(bundle.encoder_config).encode(texts)  # what the service runs on a query
+    np.testing.assert_allclose(served, bundle.items.embeddings[:5], atol=1e-5)
+
+
+def test_a_corrupted_encoder_is_refused(encoder_bundle, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(encoder_bundle, copy)
+    with (copy / "encoder" / "model.onnx").open("r+b") as model:
+        model.seek(100)
+        model.write(b"\0\0\0\0")
+    with pytest.raises(BundleError, match=r"encoder/model\.onnx fails its sha256 check"):
+        load_bundle(copy)
+
+
+def test_the_service_encodes_queries_with_the_bundles_encoder(encoder_bundle):
+    from service.runtime.index import search
+    from tests.service.conftest import live_server, make_settings
+
+    bundle = load_bundle(encoder_bundle)
+    query = "a tall oak tree with leaves"
+    scores, rows = search(bundle.index, Encoder(bundle.encoder_config).encode([query]), 5)
+    with live_server(make_settings(encoder_bundle, None, routes="single=1")) as live, \
+            live.client() as client:
+        body = client.post("/v1/retrieve", json={"query": query, "k": 5}).json()
+    assert [item["id"] for item in body["items"]] == [bundle.items.ids[r] for r in rows[0]]
+    assert body["groundedness"] == pytest.approx(float(scores[0, 0]), abs=1e-5)
+
+
+def test_a_new_checkpoint_rebuilds_the_catalog(small_sources, tmp_path, capsys):
+    catalog, _ = small_sources
+    checkpoint = tiny_checkpoint(tmp_path / "checkpoint")
+    config = CatalogConfig(source=str(catalog), dim=32, encoder=str(checkpoint))
+    build_catalog(tmp_path / "b", config)
+    before = np.load(tmp_path / "b" / "embeddings.npy")
+    from transformers import BertModel
+
+    BertModel(BertModel.config_class.from_pretrained(checkpoint)).save_pretrained(checkpoint)
+    capsys.readouterr()
+    build_catalog(tmp_path / "b", config)
+    assert "catalog: rebuild (config changed)" in capsys.readouterr().out
+    assert not np.allclose(np.load(tmp_path / "b" / "embeddings.npy"), before)
+
+
+def test_a_wrong_dim_or_encoder_is_refused(small_sources, checkpoint, tmp_path):
+    catalog, _ = small_sources
+    with pytest.raises(BundleError, match="gives 32-d vectors, not --dim 128"):
+        build_catalog(tmp_path / "b", CatalogConfig(source=str(catalog), encoder=str(checkpoint)))
+    with pytest.raises(BundleError, match="not wordllama, minilm or a local checkpoint"):
+        encoder_source(str(tmp_path / "nowhere"))
