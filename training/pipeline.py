@@ -48,7 +48,7 @@ from service.artifacts.bundle import (
 from service.artifacts.items import ItemStore
 from service.artifacts.lexical import LEXICAL_FILE, MAX_DF, TOKENIZER, build_lexical_index
 from service.errors import BundleError
-from service.runtime.encoder import ENCODER_FOLDER, Encoder, EncoderConfig
+from service.runtime.encoder import ENCODER_FOLDER, MATRYOSHKA_DIMS, Encoder, EncoderConfig
 from service.runtime.index import build_index, save_index
 from training.data.catalog import WORDNET, Catalog, load_catalog
 from training.data.encoder import encoder_source, export_encoder, source_key
@@ -274,10 +274,7 @@ def _build(
             f"{bundle_dir} was built with dim {manifest['encoder']['dim']}, not {config.dim}; "
             "use another bundle name"
         )
-    source_dim = encoder_source(config.encoder).dim
-    if source_dim is not None and source_dim != config.dim:
-        raise BundleError(f"--encoder {config.encoder} gives {source_dim}-d vectors, not "
-                          f"--dim {config.dim}")
+    check_encoder_dim(config)
     keys = stage_keys(config, configs)
     plan = plan_stages(manifest, keys, force, config.source == WORDNET or bool(config.benchmark))
     print(f"{bundle_dir}:" + "".join(f"\n  {format_step(step)}" for step in plan), flush=True)
@@ -538,6 +535,22 @@ def _existing(bundle_dir: Path) -> dict[str, Any]:
         return read_manifest(bundle_dir)
     except BundleError:
         return {}
+
+
+def check_encoder_dim(config: CatalogConfig) -> None:
+    """WordLlama cuts to a Matryoshka dimension; a transformer gives its own width."""
+    source_dim = encoder_source(config.encoder).dim
+    if source_dim is None and config.dim not in MATRYOSHKA_DIMS:
+        raise BundleError(f"--dim {config.dim}: WordLlama's dimensions are {MATRYOSHKA_DIMS}")
+    if source_dim is not None and source_dim != config.dim:
+        raise BundleError(f"--encoder {config.encoder} gives {source_dim}-d vectors, not "
+                          f"--dim {config.dim}")
+
+
+def recorded_catalog(bundle_dir: Path) -> dict[str, Any]:
+    """The catalog config an existing bundle was built with ({} for a new one)."""
+    manifest = _existing(Path(bundle_dir))
+    return dict(manifest.get("config", {})) if manifest else {}
 
 
 def catalog_encoder(config: CatalogConfig, staged: Path) -> EncoderConfig:

@@ -4,7 +4,7 @@
   point `cache_dir` at the package folder and disable downloads, so nothing is fetched from a
   hub at run time.
 - A transformer sentence encoder exported to ONNX into the bundle's `encoder/` folder (model,
-  tokenizer.json, encoder.json; training.data.encoder_export): run in ONNX Runtime with the
+  tokenizer.json, encoder.json; training.data.encoder): run in ONNX Runtime with the
   `tokenizers` library, so the service needs no torch. The catalog stage embeds the catalog
   with this same object, so items and queries come from one definition.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,7 @@ MATRYOSHKA_DIMS = (64, 128, 256)
 WORDLLAMA = "wordllama-l2_supercat"
 ENCODER_FOLDER = "encoder"  # in a bundle: an exported ONNX encoder
 ENCODER_META = "encoder.json"
+TOKENS_PER_RUN = 16_384  # padded tokens per ONNX run: bounds the attention's memory
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class EncoderConfig:
 
 
 class Backend(Protocol):
+    """What turns texts into raw (N, dim) vectors; Encoder normalises them."""
+
     def embed(self, texts: list[str]) -> np.ndarray: ...
 
 
@@ -67,7 +70,8 @@ class WordLlamaBackend:
 class OnnxBackend:
     """An exported transformer encoder: tokenize, run the graph (pooling inside), (N, dim)."""
 
-    def __init__(self, config: EncoderConfig, threads: int = 0) -> None:
+    def __init__(self, config: EncoderConfig, threads: int = 0,
+                 providers: list[str] | None = None) -> None:
         from tokenizers import Tokenizer
 
         folder = Path(str(config.folder))
@@ -80,19 +84,28 @@ class OnnxBackend:
         self.tokenizer.no_padding()  # padded per batch below, to that batch's longest text
         self.pad_id = int(meta.get("pad_id", 0))
         self.batch_size, self.dim = config.batch_size, config.dim
-        self.session = open_session(folder / str(meta["model"]), None, threads)
+        self.session = open_session(folder / str(meta["model"]), providers, threads)
         self.inputs = [i.name for i in self.session.get_inputs()]
 
     def embed(self, texts: list[str]) -> np.ndarray:
         encodings = self.tokenizer.encode_batch(texts)
-        order = np.argsort([len(e.ids) for e in encodings], kind="stable")  # similar lengths
-        out = np.empty((len(texts), self.dim), dtype=np.float32)  # batch together: little pad
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
-            out[chunk] = self._run([encodings[i] for i in chunk])
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for rows in self._runs([len(e.ids) for e in encodings]):
+            out[rows] = self._run([encodings[i] for i in rows])
         return out
 
-    def _run(self, encodings: list) -> np.ndarray:
+    def _runs(self, lengths: list[int]) -> list[list[int]]:
+        """Text indices by length, cut into runs of at most batch_size texts and
+        TOKENS_PER_RUN padded tokens: texts of like length share a run and pad little."""
+        runs: list[list[int]] = [[]]
+        for i in np.argsort(lengths, kind="stable").tolist():  # shortest first
+            if runs[-1] and (len(runs[-1]) == self.batch_size
+                             or (len(runs[-1]) + 1) * lengths[i] > TOKENS_PER_RUN):
+                runs.append([])
+            runs[-1].append(i)
+        return [run for run in runs if run]
+
+    def _run(self, encodings: list[Any]) -> np.ndarray:
         width = max(len(e.ids) for e in encodings)
         ids = np.full((len(encodings), width), self.pad_id, dtype=np.int64)  # (B, T)
         mask = np.zeros((len(encodings), width), dtype=np.int64)  # (B, T)
@@ -103,7 +116,7 @@ class OnnxBackend:
         return self.session.run(None, {k: feeds[k] for k in self.inputs})[0]  # (B, dim)
 
 
-def read_meta(folder: Path) -> dict:
+def read_meta(folder: Path) -> dict[str, Any]:
     """An exported encoder's encoder.json (model file, dim, max_length, pad_id, source)."""
     path = folder / ENCODER_META
     if not path.is_file():
@@ -114,10 +127,11 @@ def read_meta(folder: Path) -> dict:
 class Encoder:
     """Embeds texts as L2-normalised float32 vectors of `config.dim` dimensions."""
 
-    def __init__(self, config: EncoderConfig | None = None, threads: int = 0) -> None:
+    def __init__(self, config: EncoderConfig | None = None, threads: int = 0,
+                 providers: list[str] | None = None) -> None:
         self.config = config or EncoderConfig()
         self._backend: Backend = (WordLlamaBackend(self.config) if self.config.folder is None
-                                  else OnnxBackend(self.config, threads))
+                                  else OnnxBackend(self.config, threads, providers))
 
     @property
     def dim(self) -> int:

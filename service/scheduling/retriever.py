@@ -161,7 +161,7 @@ class Retriever:
         set_threads(settings.faiss_threads)
         bundle = load_bundle(bundle_dir, IndexChoice.parse(settings.index),
                              settings.index_timeout_s)
-        encoder = Encoder(bundle.encoder_config, settings.threads)
+        encoder = Encoder(bundle.encoder_config, settings.threads, settings.provider_list)
         paths, problems = load_paths(settings, bundle, encoder, loaders)
         if not paths:
             raise BundleError(f"bundle {bundle_dir} can serve no retrieval path: {problems}")

@@ -22,8 +22,17 @@ ENCODER_CHOICES = ("wordllama", "minilm")  # or a local sentence-transformers / 
 MINILM = "all-minilm-l6-v2"
 MODEL_FILE = "model.onnx"
 OPSET = 18
-CHECK_TEXTS = ("a portable shelter", "camping gear", "x")  # export parity check
-CHECK_TOLERANCE = 1e-4  # max |torch - ONNX Runtime| of a pooled vector
+EXPORT_VERSION = 1  # bump when the exported graph changes: bundles re-embed their catalogs
+MAX_TOKENS = 512  # the truncation of a checkpoint that names none (BERT-like positions)
+KEYED_FILES = ("config.json", "tokenizer.json", "modules.json", "sentence_bert_config.json",
+               "1_Pooling/config.json", "model.safetensors", "pytorch_model.bin")
+SUPPORTED_MODULES = {"sentence_transformers.models.Transformer",
+                     "sentence_transformers.models.Pooling",
+                     "sentence_transformers.models.Normalize"}  # others (Dense, ...) refused
+POOLING_FLAGS = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
+                 "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens",
+                 "pooling_mode_lasttoken")
+CHECK_TOLERANCE = 1e-4  # max |torch - ONNX Runtime| of a unit vector at export
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,18 @@ class EncoderSource:
         """The checkpoint's output width (a transformer encoder is not Matryoshka-trained)."""
         if self.folder is None:
             return None
-        return int(json.loads((self.folder / "config.json").read_text())["hidden_size"])
+        config = read_json(self.folder / "config.json")
+        width = config.get("hidden_size", config.get("dim", config.get("d_model")))
+        if width is None:
+            raise BundleError(f"{self.folder}/config.json names no hidden_size")
+        return int(width)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{path}: {exc}") from exc
 
 
 def encoder_source(choice: str) -> EncoderSource:
@@ -60,32 +80,46 @@ def encoder_source(choice: str) -> EncoderSource:
 
 
 def source_key(source: EncoderSource) -> dict[str, Any]:
-    """What a catalog embedded by `source` is current by: its name, config and the size and
-    time of each weight file (as training.pipeline.init_key, for the same reason)."""
+    """What a catalog embedded by `source` is current by: its name, the export's version and
+    the sha256 of each file that shapes its vectors (wherever the checkpoint is installed)."""
     if source.folder is None:
         return {"name": source.name}
-    files = sorted(p for p in source.folder.iterdir() if p.suffix in (".safetensors", ".bin"))
-    return {"name": source.name, "path": str(source.folder),
-            "config_sha256": sha256_file(source.folder / "config.json"),
-            "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+    files = {name: sha256_file(source.folder / name) for name in KEYED_FILES
+             if (source.folder / name).is_file()}
+    return {"name": source.name, "export": EXPORT_VERSION, "files": files}
 
 
 def pooling_of(folder: Path) -> str:
-    """"cls" or "mean", as the sentence-transformers pooling config says (mean without one)."""
+    """"cls" or "mean", as the sentence-transformers config says (mean without one); a
+    pipeline with other modules or another pooling is refused rather than exported wrong."""
+    modules = folder / "modules.json"
+    if modules.is_file():
+        kinds = {str(m.get("type")) for m in json.loads(modules.read_text())}
+        if kinds - SUPPORTED_MODULES:
+            raise BundleError(f"{folder}: unsupported sentence-transformers modules "
+                              f"{sorted(kinds - SUPPORTED_MODULES)}")
     config = folder / "1_Pooling" / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("pooling_mode_cls_token"):
+    if not config.is_file():
+        return "mean"
+    flags = {k for k, v in read_json(config).items() if k in POOLING_FLAGS and v}
+    if flags == {"pooling_mode_cls_token"}:
         return "cls"
-    return "mean"
+    if flags == {"pooling_mode_mean_tokens"}:
+        return "mean"
+    raise BundleError(f"{config}: pooling {sorted(flags)} is not supported (cls or mean)")
 
 
 def max_length_of(folder: Path) -> int:
+    """The token budget sentence-transformers truncates at, else the position table's."""
     config = folder / "sentence_bert_config.json"
     if config.is_file():
-        return int(json.loads(config.read_text())["max_seq_length"])
-    return int(json.loads((folder / "config.json").read_text())["max_position_embeddings"])
+        return int(read_json(config)["max_seq_length"])
+    positions = read_json(folder / "config.json").get("max_position_embeddings", MAX_TOKENS)
+    return min(int(positions), MAX_TOKENS)
 
 
 def pad_id_of(folder: Path) -> int:
+    """The id the tokenizer pads with (masked out, so only its validity matters)."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -99,16 +133,24 @@ def export_encoder(source: EncoderSource, out: Path) -> EncoderConfig:
     encoder.json), check ONNX Runtime against torch, and return the config that loads it."""
     if source.folder is None or source.dim is None:
         raise ValueError("WordLlama is not exported: it ships in its wheel")
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise BundleError(f"exporting --encoder {source.name} needs torch and transformers: "
+                          "pip install -e .[train]") from exc
     out.mkdir(parents=True, exist_ok=True)
     model = _pooled_model(source.folder)
     _export_onnx(model, out / MODEL_FILE)
     shutil.copyfile(source.folder / "tokenizer.json", out / "tokenizer.json")
-    meta = {"name": source.name, "source": str(source.folder), "model": MODEL_FILE,
-            "dim": source.dim, "pooling": model.pooling,
-            "max_length": max_length_of(source.folder), "pad_id": pad_id_of(source.folder)}
+    max_length = max_length_of(source.folder)
+    meta = {"name": source.name, "model": MODEL_FILE, "dim": source.dim,
+            "pooling": model.pooling, "max_length": max_length,
+            "pad_id": pad_id_of(source.folder), "export": EXPORT_VERSION}
     (out / ENCODER_META).write_text(json.dumps(meta, indent=2) + "\n")
     config = EncoderConfig(name=source.name, dim=source.dim, folder=str(out))
-    _check_parity(model, Encoder(config), source.folder)
+    _check_parity(model, Encoder(config, providers=["CPUExecutionProvider"]), source.folder,
+                  max_length)
     return config
 
 
@@ -154,17 +196,20 @@ def _export_onnx(model: Any, path: Path) -> None:
     program.save(str(path))
 
 
-def _check_parity(model: Any, encoder: Encoder, folder: Path) -> None:
-    """The exported graph must embed as the checkpoint does (after L2 normalisation)."""
+def _check_parity(model: Any, encoder: Encoder, folder: Path, max_length: int) -> None:
+    """The exported graph must embed as the checkpoint does (after L2 normalisation), on
+    texts of unlike lengths, one past the truncation, padded together in one batch."""
     import torch
     from transformers import AutoTokenizer
 
+    texts = ["a portable shelter", "camping gear", "x", " ".join(["tent"] * (max_length + 8))]
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    batch = tokenizer(list(CHECK_TEXTS), padding=True, truncation=True, return_tensors="pt")
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
+                      return_tensors="pt")
     with torch.no_grad():
         pooled = model(batch["input_ids"], batch["attention_mask"],
                        batch.get("token_type_ids", torch.zeros_like(batch["input_ids"])))
     expected = torch.nn.functional.normalize(pooled, dim=-1).numpy()
-    gap = float(np.abs(encoder.encode(list(CHECK_TEXTS)) - expected).max())
+    gap = float(np.abs(encoder.encode(texts) - expected).max())
     if gap > CHECK_TOLERANCE:
         raise BundleError(f"the exported encoder differs from {folder} by {gap:.2e}")

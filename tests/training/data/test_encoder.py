@@ -2,6 +2,7 @@
 the catalog embedded by it, the service encoding queries with it (no torch there)."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,11 @@ import pytest
 from service.artifacts.bundle import load_bundle
 from service.errors import BundleError
 from service.runtime.encoder import Encoder
+from training.cli import main
 from training.data.encoder import encoder_source, export_encoder
 from training.pipeline import CatalogConfig, build_catalog
+
+pytest.importorskip("torch")  # the export runs the checkpoint in torch (the train extra)
 
 WORDS = ["tree", "oak", "pine", "a", "of", "the", "tall", "plant", "wood", "with", "leaves"]
 
@@ -55,8 +59,9 @@ def test_exported_encoder_matches_the_checkpoint_whatever_the_batch(checkpoint, 
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    encoder = Encoder(export_encoder(encoder_source(str(checkpoint)), tmp_path / "encoder"))
-    texts = ["oak", "a tall tree of the pine with leaves", "wood", "plant with leaves"]
+    config = export_encoder(encoder_source(str(checkpoint)), tmp_path / "encoder")
+    encoder = Encoder(replace(config, batch_size=2))  # texts by length, two per run
+    texts = ["oak", "a tall tree of the pine with leaves", "wood", "plant with leaves", "pine"]
     model = AutoModel.from_pretrained(str(checkpoint)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     expected = []
@@ -118,9 +123,33 @@ def test_a_new_checkpoint_rebuilds_the_catalog(small_sources, tmp_path, capsys):
     assert not np.allclose(np.load(tmp_path / "b" / "embeddings.npy"), before)
 
 
+def test_a_bundle_keeps_its_encoder_when_rebuilt_without_naming_it(encoder_bundle,
+                                                                     small_sources, capsys):
+    catalog, benchmark = small_sources
+    capsys.readouterr()
+    assert main(["--bundle", str(encoder_bundle), "catalog", "--source", str(catalog),
+                 "--benchmark", str(benchmark)]) == 0
+    assert "every stage is up to date" in capsys.readouterr().out
+
+
+def test_a_wordllama_bundle_keeps_the_catalog_key_it_had_before_encoders_were_a_setting():
+    from training.pipeline import stage_keys
+
+    assert stage_keys(CatalogConfig())["catalog"] == {"source": "wordnet", "dim": 128,
+                                                       "index_factory": None}
+
+
 def test_a_wrong_dim_or_encoder_is_refused(small_sources, checkpoint, tmp_path):
     catalog, _ = small_sources
     with pytest.raises(BundleError, match="gives 32-d vectors, not --dim 128"):
         build_catalog(tmp_path / "b", CatalogConfig(source=str(catalog), encoder=str(checkpoint)))
+    with pytest.raises(BundleError, match=r"--dim 100: WordLlama's dimensions are \(64"):
+        build_catalog(tmp_path / "b", CatalogConfig(source=str(catalog), dim=100))
     with pytest.raises(BundleError, match="not wordllama, minilm or a local checkpoint"):
         encoder_source(str(tmp_path / "nowhere"))
+    dense = tiny_checkpoint(tmp_path / "dense")
+    (dense / "modules.json").write_text(json.dumps([
+        {"type": "sentence_transformers.models.Transformer"},
+        {"type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(BundleError, match="unsupported sentence-transformers modules"):
+        export_encoder(encoder_source(str(dense)), tmp_path / "out")
