@@ -105,7 +105,8 @@ def diffusion_path(bundle_dir: Path, threads: int, encoder: Encoder | None = Non
     choice = IndexChoice.parse(index or Settings(bundle=bundle_dir).index)
     bundle = load_bundle(bundle_dir, choice)
     sampler = DiffusionSampler(bundle_dir / "diffusion", threads=threads)
-    return DiffusionPath(bundle, encoder or Encoder(bundle.encoder_config), sampler, seed=0)
+    return DiffusionPath(bundle, encoder or Encoder(bundle.encoder_config, threads), sampler,
+                         seed=0)
 
 
 def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
@@ -118,7 +119,7 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
     if baseline is not None or baseline_index:  # another diffusion path, in the same loop
         paths["baseline"] = diffusion_path(baseline or bundle_dir, threads, encoder,
                                            baseline_index)
-        if paths["baseline"].bundle.encoder_config != bundle.encoder_config:
+        if paths["baseline"].bundle.encoder_identity != bundle.encoder_identity:
             raise SystemExit(f"--baseline {baseline} has another encoder; compare like bundles")
     k = int(sampler.config.get("k", 10))
     texts = [json.loads(line)["query"] for line in

@@ -32,11 +32,13 @@ def _catalog_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _catalog_config(args: argparse.Namespace):  # -> training.pipeline.CatalogConfig
-    from training.data.encoder import encoder_source
+    from training.data.encoder import ENCODER_CHOICES, encoder_source
     from training.pipeline import CatalogConfig, recorded_catalog
 
     recorded = recorded_catalog(args.bundle)  # an existing bundle keeps its encoder by default
     encoder = args.encoder or recorded.get("encoder", CatalogConfig.encoder)
+    if encoder not in ENCODER_CHOICES:  # a checkpoint folder: recorded wherever it is run from
+        encoder = str(Path(encoder).resolve())
     same = encoder == recorded.get("encoder", CatalogConfig.encoder)
     dim = args.dim or (same and recorded.get("dim")) or encoder_source(encoder).dim \
         or CatalogConfig.dim

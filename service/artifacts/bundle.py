@@ -310,6 +310,13 @@ class Bundle:
         return EncoderConfig(name=enc["name"], dim=int(enc["dim"]),
                              folder=None if folder is None else str(self.path / folder))
 
+    @property
+    def encoder_identity(self) -> tuple[str, int, str | None]:
+        """Name, width and exported graph's sha256: equal ones embed alike, wherever they lie."""
+        enc, files = self.manifest["encoder"], self.manifest.get("files", {})
+        graph = files.get(f"{enc['folder']}/model.onnx", {}) if enc.get("folder") else {}
+        return str(enc["name"]), int(enc["dim"]), graph.get("sha256")
+
     def has(self, name: str) -> bool:
         return name in self.manifest.get("files", {})
 

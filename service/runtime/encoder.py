@@ -117,11 +117,16 @@ class OnnxBackend:
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
-    """An exported encoder's encoder.json (model file, dim, max_length, pad_id, source)."""
+    """An exported encoder's encoder.json (model file, dim, max_length, pad_id)."""
     path = folder / ENCODER_META
-    if not path.is_file():
-        raise BundleError(f"{folder} holds no exported encoder ({ENCODER_META})")
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{folder} holds no readable exported encoder: {exc}") from exc
+    missing = [key for key in ("model", "dim", "max_length") if key not in meta]
+    if missing:
+        raise BundleError(f"{path} lacks {missing}")
+    return meta
 
 
 class Encoder:

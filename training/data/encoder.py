@@ -24,8 +24,7 @@ MODEL_FILE = "model.onnx"
 OPSET = 18
 EXPORT_VERSION = 1  # bump when the exported graph changes: bundles re-embed their catalogs
 MAX_TOKENS = 512  # the truncation of a checkpoint that names none (BERT-like positions)
-KEYED_FILES = ("config.json", "tokenizer.json", "modules.json", "sentence_bert_config.json",
-               "1_Pooling/config.json", "model.safetensors", "pytorch_model.bin")
+KEYED_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model")  # configs, weights, vocab
 SUPPORTED_MODULES = {"sentence_transformers.models.Transformer",
                      "sentence_transformers.models.Pooling",
                      "sentence_transformers.models.Normalize"}  # others (Dense, ...) refused
@@ -54,7 +53,8 @@ class EncoderSource:
         return int(width)
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file; unreadable is a bad input (BundleError)."""
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -84,8 +84,9 @@ def source_key(source: EncoderSource) -> dict[str, Any]:
     the sha256 of each file that shapes its vectors (wherever the checkpoint is installed)."""
     if source.folder is None:
         return {"name": source.name}
-    files = {name: sha256_file(source.folder / name) for name in KEYED_FILES
-             if (source.folder / name).is_file()}
+    paths = [*source.folder.iterdir(), source.folder / "1_Pooling" / "config.json"]
+    files = {p.relative_to(source.folder).as_posix(): sha256_file(p) for p in sorted(paths)
+             if p.is_file() and p.suffix in KEYED_SUFFIXES}  # shards and their index too
     return {"name": source.name, "export": EXPORT_VERSION, "files": files}
 
 
@@ -94,7 +95,7 @@ def pooling_of(folder: Path) -> str:
     pipeline with other modules or another pooling is refused rather than exported wrong."""
     modules = folder / "modules.json"
     if modules.is_file():
-        kinds = {str(m.get("type")) for m in json.loads(modules.read_text())}
+        kinds = {str(m.get("type")) for m in read_json(modules)}
         if kinds - SUPPORTED_MODULES:
             raise BundleError(f"{folder}: unsupported sentence-transformers modules "
                               f"{sorted(kinds - SUPPORTED_MODULES)}")
@@ -113,7 +114,7 @@ def max_length_of(folder: Path) -> int:
     """The token budget sentence-transformers truncates at, else the position table's."""
     config = folder / "sentence_bert_config.json"
     if config.is_file():
-        return int(read_json(config)["max_seq_length"])
+        return int(read_json(config).get("max_seq_length", MAX_TOKENS))
     positions = read_json(folder / "config.json").get("max_position_embeddings", MAX_TOKENS)
     return min(int(positions), MAX_TOKENS)
 
@@ -122,7 +123,10 @@ def pad_id_of(folder: Path) -> int:
     """The id the tokenizer pads with (masked out, so only its validity matters)."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    try:
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as exc:  # the library raises a bare Exception on a bad file
+        raise BundleError(f"{folder}/tokenizer.json: {exc}") from exc
     if tokenizer.padding is not None:
         return int(tokenizer.padding["pad_id"])
     return int(tokenizer.token_to_id("[PAD]") or tokenizer.token_to_id("<pad>") or 0)
@@ -140,8 +144,13 @@ def export_encoder(source: EncoderSource, out: Path) -> EncoderConfig:
         raise BundleError(f"exporting --encoder {source.name} needs torch and transformers: "
                           "pip install -e .[train]") from exc
     out.mkdir(parents=True, exist_ok=True)
-    model = _pooled_model(source.folder)
-    _export_onnx(model, out / MODEL_FILE)
+    try:  # a checkpoint torch cannot load or export is a bad input, not a crash
+        model = _pooled_model(source.folder)
+        _export_onnx(model, out / MODEL_FILE)
+    except (OSError, ValueError, RuntimeError, ImportError) as exc:
+        raise BundleError(f"--encoder {source.name}: cannot export {source.folder}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
+            from exc
     shutil.copyfile(source.folder / "tokenizer.json", out / "tokenizer.json")
     max_length = max_length_of(source.folder)
     meta = {"name": source.name, "model": MODEL_FILE, "dim": source.dim,

@@ -15,14 +15,13 @@ from training.cli import main
 from training.data.encoder import encoder_source, export_encoder
 from training.pipeline import CatalogConfig, build_catalog
 
-pytest.importorskip("torch")  # the export runs the checkpoint in torch (the train extra)
-
 WORDS = ["tree", "oak", "pine", "a", "of", "the", "tall", "plant", "wood", "with", "leaves"]
 
 
 def tiny_checkpoint(folder: Path) -> Path:
     """A random 32-d, one-layer BERT with a word-level WordPiece tokenizer, saved as a
     sentence-transformers folder would be (config, weights, tokenizer.json, pooling)."""
+    pytest.importorskip("torch")  # the export runs the checkpoint in torch (the train extra)
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
@@ -55,12 +54,18 @@ def encoder_bundle(tmp_path_factory: pytest.TempPathFactory, small_sources, chec
     return bundle_dir
 
 
-def test_exported_encoder_matches_the_checkpoint_whatever_the_batch(checkpoint, tmp_path):
+@pytest.mark.parametrize("batch_size, tokens_per_run", [(2, None), (512, 12)])
+def test_exported_encoder_matches_the_checkpoint_whatever_the_batch(
+        checkpoint, tmp_path, monkeypatch, batch_size, tokens_per_run):
     import torch
     from transformers import AutoModel, AutoTokenizer
 
+    import service.runtime.encoder as encoder_module
+
     config = export_encoder(encoder_source(str(checkpoint)), tmp_path / "encoder")
-    encoder = Encoder(replace(config, batch_size=2))  # texts by length, two per run
+    if tokens_per_run:  # runs cut by padded tokens rather than by count
+        monkeypatch.setattr(encoder_module, "TOKENS_PER_RUN", tokens_per_run)
+    encoder = Encoder(replace(config, batch_size=batch_size))  # texts by length
     texts = ["oak", "a tall tree of the pine with leaves", "wood", "plant with leaves", "pine"]
     model = AutoModel.from_pretrained(str(checkpoint)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
@@ -89,7 +94,9 @@ def test_a_corrupted_encoder_is_refused(encoder_bundle, tmp_path):
     shutil.copytree(encoder_bundle, copy)
     with (copy / "encoder" / "model.onnx").open("r+b") as model:
         model.seek(100)
-        model.write(b"\0\0\0\0")
+        flipped = bytes(b ^ 0xFF for b in model.read(4))
+        model.seek(100)
+        model.write(flipped)
     with pytest.raises(BundleError, match=r"encoder/model\.onnx fails its sha256 check"):
         load_bundle(copy)
 
@@ -130,21 +137,26 @@ def test_a_bundle_keeps_its_encoder_when_rebuilt_without_naming_it(encoder_bundl
     assert main(["--bundle", str(encoder_bundle), "catalog", "--source", str(catalog),
                  "--benchmark", str(benchmark)]) == 0
     assert "every stage is up to date" in capsys.readouterr().out
+    assert main(["--bundle", str(encoder_bundle), "catalog", "--source", str(catalog),
+                 "--benchmark", str(benchmark), "--dim", "128"]) == 2  # its encoder is 32-d
+    assert "was built with dim 32, not 128" in capsys.readouterr().err
 
 
-def test_a_wordllama_bundle_keeps_the_catalog_key_it_had_before_encoders_were_a_setting():
+def test_a_wordllama_bundle_keeps_the_catalog_key_it_had_before_encoders_were_a_setting(
+        tmp_path):
     from training.pipeline import stage_keys
 
     assert stage_keys(CatalogConfig())["catalog"] == {"source": "wordnet", "dim": 128,
                                                        "index_factory": None}
+    with pytest.raises(BundleError, match=r"--dim 100: WordLlama's dimensions are \(64"):
+        build_catalog(tmp_path / "b", CatalogConfig(dim=100))
+    assert not (tmp_path / "b").exists()
 
 
 def test_a_wrong_dim_or_encoder_is_refused(small_sources, checkpoint, tmp_path):
     catalog, _ = small_sources
     with pytest.raises(BundleError, match="gives 32-d vectors, not --dim 128"):
         build_catalog(tmp_path / "b", CatalogConfig(source=str(catalog), encoder=str(checkpoint)))
-    with pytest.raises(BundleError, match=r"--dim 100: WordLlama's dimensions are \(64"):
-        build_catalog(tmp_path / "b", CatalogConfig(source=str(catalog), dim=100))
     with pytest.raises(BundleError, match="not wordllama, minilm or a local checkpoint"):
         encoder_source(str(tmp_path / "nowhere"))
     dense = tiny_checkpoint(tmp_path / "dense")
