@@ -320,7 +320,8 @@ def embed_texts(encoder: Encoder, texts: list[str], desc: str = "embed") -> np.n
 
 
 def catalog_stage(
-    bundle_dir: Path, manifest: dict, config: CatalogConfig, catalog: Catalog
+    bundle_dir: Path, manifest: dict, config: CatalogConfig, catalog: Catalog,
+    key: dict[str, Any],
 ) -> None:
     """Embed the catalog, build the index, commit items + embeddings + index."""
     started = time.perf_counter()
@@ -336,7 +337,7 @@ def catalog_stage(
         exported = sorted(p.relative_to(staged).as_posix()
                           for p in (staged / ENCODER_FOLDER).glob("*"))  # none for WordLlama
         files = [*store.save(staged), INDEX_FILE, *exported]
-        record.update(_stage_record(_catalog_key(config), started, n_items=len(catalog)),
+        record.update(_stage_record(key, started, n_items=len(catalog)),  # the plan's key
                       files=files)
         manifest["n_items"] = len(catalog)
         manifest["config"] = asdict(config)
@@ -366,7 +367,8 @@ def benchmark_stage(
 
 
 def _build_catalog(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
-    catalog_stage(build.bundle_dir, manifest, build.catalog_config, build.catalog)
+    catalog_stage(build.bundle_dir, manifest, build.catalog_config, build.catalog,
+                  build.keys["catalog"])
     return manifest
 
 

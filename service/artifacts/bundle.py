@@ -311,11 +311,14 @@ class Bundle:
                              folder=None if folder is None else str(self.path / folder))
 
     @property
-    def encoder_identity(self) -> tuple[str, int, str | None]:
-        """Name, width and exported graph's sha256: equal ones embed alike, wherever they lie."""
+    def encoder_identity(self) -> tuple[str, int, tuple[str, ...]]:
+        """Name, width and the exported encoder's checksums: equal ones embed alike, wherever
+        the bundles lie."""
         enc, files = self.manifest["encoder"], self.manifest.get("files", {})
-        graph = files.get(f"{enc['folder']}/model.onnx", {}) if enc.get("folder") else {}
-        return str(enc["name"]), int(enc["dim"]), graph.get("sha256")
+        prefix = f"{enc['folder']}/" if enc.get("folder") else None
+        sums = tuple(sorted(r["sha256"] for name, r in files.items()
+                            if prefix and name.startswith(prefix)))
+        return str(enc["name"]), int(enc["dim"]), sums
 
     def has(self, name: str) -> bool:
         return name in self.manifest.get("files", {})
