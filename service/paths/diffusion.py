@@ -1,7 +1,9 @@
 """The diffusion route: encode → the sampler's context (the query's nearest items or the items
 the fan-out prompt names, as `context_source` in diffusion.json says) → the exported sampler
 (whole solver loop in ONNX Runtime; with `draws` D > 1 over the batch repeated D times, a row
-that repeats an item replaced from the next draw) → k distinct items claimed by the rows."""
+that repeats an item replaced from the next draw) → k distinct items claimed by the rows: among
+the context, the items the student was trained to choose from, when the model has one
+(`resolve_in_context`), else among the whole catalog."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from service.errors import BundleError
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
 from service.paths.answer import PathAnswer, PathQuery, StageClock, stamp
-from service.paths.resolution import first_distinct_rows, resolve_items
+from service.paths.resolution import first_distinct_rows, resolve_in_context, resolve_items
 from service.runtime.encoder import Encoder, normalize
 from service.runtime.index import neighbour_rows
 
@@ -60,11 +62,14 @@ class DiffusionContext:
             return neighbour_rows(self.bundle.index, queries, self.n)
         return self.prompt.rows(texts, queries)  # (B, C)
 
-    def __call__(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
-        rows = self.rows(texts, queries)  # (B, C) or None
+    def embeddings(self, rows: np.ndarray | None) -> np.ndarray | None:
+        """(B, C, d) embeddings of context rows (B, C), or None without a context."""
         if rows is None:
             return None
         return np.ascontiguousarray(self.bundle.items.embeddings[rows], dtype=np.float32)
+
+    def __call__(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
+        return self.embeddings(self.rows(texts, queries))  # (B, C, d) or None
 
 
 def repeat_draws(queries: np.ndarray, context: np.ndarray | None,
@@ -117,7 +122,8 @@ class DiffusionPath:
         clock = StageClock()
         queries = self.encoder.encode([q.text for q in batch])  # (B, d)
         clock.lap("encode")
-        context = self.context([q.text for q in batch], queries)  # (B, C, d) or None
+        context_rows = self.context.rows([q.text for q in batch], queries)  # (B, C) or None
+        context = self.context.embeddings(context_rows)  # (B, C, d) or None
         if context is not None:
             clock.lap("search")
         rows = np.asarray(draw_rows(self.bundle.index, self.sampler, queries, self.seed,
@@ -128,9 +134,13 @@ class DiffusionPath:
             raise RuntimeError("sampler returned non-finite rows")
         rows = normalize(rows)  # (B, L, d) unit rows: inner product = cosine
         clock.lap("solver")
-        selections, grounded = resolve_items(self.bundle.index, list(rows), queries,
-                                             [q.k for q in batch],
-                                             wheres=[q.where for q in batch])
+        ks, wheres = [q.k for q in batch], [q.where for q in batch]
+        if context is None:
+            selections, grounded = resolve_items(self.bundle.index, list(rows), queries, ks,
+                                                 wheres=wheres)
+        else:
+            selections, grounded = resolve_in_context(self.bundle.index, rows, context_rows,
+                                                      context, queries, ks, wheres)
         clock.lap("search")
         answers = []
         for selection, g, probes in zip(selections, grounded.tolist(), rows, strict=True):

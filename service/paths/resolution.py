@@ -154,6 +154,48 @@ def _resolve_same_k(
     return selections, grounded
 
 
+def resolve_in_context(
+    index: VectorIndex, probes: np.ndarray, context_rows: np.ndarray, context: np.ndarray,
+    queries: np.ndarray, ks: list[int], wheres: list[Where | None] | None = None,
+) -> tuple[list[Selection], np.ndarray]:
+    """`resolve_items` with each query's candidates its context: probes (Q, L, d) claim among
+    context_rows (Q, C) whose embeddings are context (Q, C, d). The student was trained to pick
+    among these items (its teacher's action space), so a few dot products replace L catalog
+    searches. A query with a metadata filter resolves against the catalog under it instead
+    (the context is not filtered); groundedness is then measured against the catalog too."""
+    filters = wheres if wheres is not None else [None] * len(ks)
+    scores = np.einsum("qld,qcd->qlc", probes, context)  # (Q, L, C) probe-item cosines
+    order = np.argsort(-scores, axis=2, kind="stable")  # (Q, L, C) best first
+    ranked = np.take_along_axis(scores, order, axis=2)  # (Q, L, C)
+    selections = [claim_round_robin(context_rows[i][order[i]], ranked[i], k)
+                  for i, k in enumerate(ks)]
+    grounded = np.clip(ranked[:, :, 0], 0.0, 1.0).mean(axis=1) if probes.shape[1] \
+        else np.zeros(len(ks))  # (Q,)
+    filtered = [i for i, where in enumerate(filters) if where is not None]
+    if filtered:
+        chosen, g = resolve_items(index, [probes[i] for i in filtered], queries[filtered],
+                                  [ks[i] for i in filtered], wheres=[filters[i] for i in filtered])
+        for j, i in enumerate(filtered):
+            selections[i], grounded[i] = chosen[j], g[j]
+    _fill_short(index, selections, queries, ks, filters)
+    return selections, grounded.astype(np.float32)
+
+
+def _fill_short(index: VectorIndex, selections: list[Selection], queries: np.ndarray,
+                ks: list[int], wheres: list[Where | None]) -> None:
+    """Complete the selections with fewer than k items from their queries' dense neighbours
+    (one search per distinct k and filter)."""
+    groups: dict[tuple[int, Where | None], list[int]] = defaultdict(list)
+    for i, selection in enumerate(selections):
+        if len(selection.rows) < ks[i]:
+            groups[(ks[i], wheres[i])].append(i)
+    for (k, where), short in groups.items():
+        depth = min(index.ntotal, 2 * k + MIN_DEPTH)
+        dense_scores, dense_rows = search(index, queries[short], depth, where)
+        for j, i in enumerate(short):
+            fill_from_dense(selections[i], dense_rows[j], dense_scores[j], k)
+
+
 def first_distinct_rows(index: VectorIndex, rows: np.ndarray, keep: int,
                         context: np.ndarray | None = None) -> np.ndarray:
     """(Q, R, d) rows in priority order → (Q, keep, d): per query, the rows whose items are the

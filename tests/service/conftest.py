@@ -4,9 +4,9 @@ uvicorn servers on 127.0.0.1.
 The serving bundle is the session's small WordNet bundle (tests/conftest.py) plus a real
 `diffusion/` stage exported by `r4t export diffusion`'s code from a tiny denoiser trained for
 a few steps: shaped as the default bundle's (rows = k = 10, a context of the items the fan-out
-prompt names, 2 draws, Euler), smaller (4 context items, the `tiny` width). Only the bundles
-whose sampler misbehaves on purpose (`broken_bundle`, `fragile_bundle`) carry a hand-built toy
-graph instead (`sampler_graph`).
+prompt names, one draw of one Euler step), smaller (16 context items, the `tiny` width). Only
+the bundles whose sampler misbehaves on purpose (`broken_bundle`, `fragile_bundle`) carry a
+hand-built toy graph instead (`sampler_graph`).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from training.data.splits import BenchmarkQuery
 
 ROWS = 10  # rows = k, as the default bundle's sampler
 DIM = 128
-CONTEXT = 4  # the served sampler attends to the 4 items its query's fan-out prompt names
-DRAWS = 2
-SOLVER, STEPS = "euler", 4
+CONTEXT = 16  # the served sampler attends to the 16 items its query's fan-out prompt names
+DRAWS = 1
+SOLVER, STEPS = "euler", 1
 TRAIN_STEPS = 4
 NOISE_SCALE = 0.05  # the toy graph's
 ADMIN_TOKEN = "test-admin-token"

@@ -18,7 +18,7 @@ from training.data.splits import load_split
 from training.evaluation.diffusion import open_sampler
 from training.evaluation.harness import evaluate
 
-STEPS_CURVE = (4, 8, 16, 32, 64, 256)
+STEPS_CURVE = (1, 2, 4, 8, 16, 32, 64, 256)
 CURVE_DIR = "steps_curve"  # under eval/: the harness's table only reads eval/*.json
 BENCH_BATCH = 64
 

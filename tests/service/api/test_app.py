@@ -7,7 +7,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.fanout.candidates import Candidates
 from tests.service.conftest import (
+    CONTEXT,
+    DRAWS,
     MALFORMED_MARK,
+    ROWS,
+    SOLVER,
+    STEPS,
     holding_completions,
     live_server,
     wait_ready,
@@ -74,19 +79,32 @@ def test_any_k_gives_k_distinct_items(server, k):
 
 
 @pytest.mark.parametrize("k", [10, 25])
-def test_diffusion_items_come_from_the_generated_rows(server, k):
-    """The served export generates rows = 10 probes per query (2 draws merged): each claims
-    one item a round, so k = 10 gives one item per row and k = 25 two or three per row,
-    none filled from the query's dense neighbours."""
+def test_diffusion_items_are_claimed_among_the_context(server, serving_bundle, k):
+    """The served export generates rows = 10 probes per query, which claim items among the
+    query's context (the 16 items its fan-out prompt names): k = 10 gives one context item per
+    row; k = 25, past the context, claims all 16 and fills the rest from the query's dense
+    neighbours, noted as such."""
+    from service.artifacts.bundle import load_bundle
+    from service.paths.diffusion import DiffusionContext
+    from service.runtime.encoder import Encoder
+    from service.runtime.sampler import read_config
+
+    bundle = load_bundle(serving_bundle)
+    query = "musical instrument"
+    context = DiffusionContext(bundle, read_config(serving_bundle / "diffusion")).rows(
+        [query], Encoder(bundle.encoder_config).encode([query]))[0]  # (C,)
+    assert len(set(context.tolist())) == CONTEXT  # the catalog names that many near the query
     with server.client() as client:
-        body = client.post("/v1/retrieve",
-                           json={"query": "musical instrument", "k": k, "route": "diffusion"}
+        body = client.post("/v1/retrieve", json={"query": query, "k": k, "route": "diffusion"}
                            ).json()
     assert_k_unique(body, k)
-    slots = [item["slot"] for item in body["items"]]
-    assert None not in slots and body["notes"] == []
-    claims = [slots.count(row) for row in range(10)]  # items per generated row
-    assert sum(claims) == k and min(claims) == k // 10 and max(claims) == -(-k // 10)
+    ids = {bundle.items.ids[row] for row in context.tolist()}
+    claimed = [item for item in body["items"] if item["slot"] is not None]
+    assert {item["id"] for item in claimed} == ids if k > CONTEXT else len(claimed) == k
+    assert all(item["id"] in ids for item in claimed)
+    claims = [[item["slot"] for item in claimed].count(row) for row in range(10)]  # per row
+    assert min(claims) >= 1 and max(claims) == -(-len(claimed) // 10)
+    assert (body["notes"] == []) == (k <= CONTEXT)
     assert 0.0 <= body["groundedness"] <= 1.0
 
 
@@ -194,10 +212,10 @@ def test_info_reports_manifest_providers_and_routing(server):
     diffusion = served["paths"]["diffusion"]["config"]  # the export's diffusion.json
     assert {key: diffusion[key] for key in ("rows", "k", "context", "context_source", "draws",
                                             "solver", "steps")} == {
-        "rows": 10, "k": 10, "context": 4, "context_source": "prompt", "draws": 2,
-        "solver": "euler", "steps": 4}
+        "rows": ROWS, "k": ROWS, "context": CONTEXT, "context_source": "prompt",
+        "draws": DRAWS, "solver": SOLVER, "steps": STEPS}
     stage = served["bundle"]["manifest"]["stages"]["diffusion"]
-    assert stage["config"]["export"]["draws"] == 2 and stage["sampler"]["rows"] == 10
+    assert stage["config"]["export"]["draws"] == DRAWS and stage["sampler"]["rows"] == ROWS
     assert "CPUExecutionProvider" in served["providers"]["diffusion"]
     assert served["routing"]["weights"] == {"ar": 0.5, "diffusion": 0.5}
     assert "admin_token" not in info["settings"] and info["settings"]["admin_api"] is True

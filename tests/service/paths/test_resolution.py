@@ -1,13 +1,21 @@
-"""Resolving probes to k distinct items (`resolve_items`), on real FAISS indexes."""
+"""Resolving probes to k distinct items (`resolve_items`, `resolve_in_context`), on real FAISS
+indexes."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from service.artifacts.bundle import load_bundle
-from service.paths.resolution import claim_round_robin, first_distinct_rows, resolve_items
+from service.paths.resolution import (
+    claim_round_robin,
+    first_distinct_rows,
+    resolve_in_context,
+    resolve_items,
+)
 from service.runtime.encoder import normalize
-from service.runtime.index import build_index
+from service.runtime.filters import where_of
+from service.runtime.index import FaissIndex, build_index
 
 
 def random_index(n: int = 500, d: int = 16, seed: int = 0):
@@ -91,3 +99,40 @@ def test_first_distinct_rows_replace_a_repeated_item_from_later_rows():
     assert np.array_equal(kept[1], rows[1, [0, 4, 1]])
     # the items as a context: the same choice without a catalog search
     assert np.array_equal(first_distinct_rows(index, rows, 3, np.stack([catalog, catalog])), kept)
+
+
+def test_context_resolution_claims_only_context_items_nearest_first():
+    index, items = random_index()
+    context_rows = np.array([[40, 41, 42, 43, 44, 45]])  # (1, C)
+    probes = normalize(items[[41, 7, 44]] + 0.05 * items[[0, 1, 2]])[None]  # (1, 3, d)
+    selections, grounded = resolve_in_context(index, probes, context_rows, items[context_rows],
+                                              items[:1], [5])
+    picked = selections[0]
+    assert set(picked.rows) <= set(context_rows[0].tolist()) and len(set(picked.rows)) == 5
+    assert {41, 44} <= set(picked.rows[:3])  # probes near context items claim them first
+    assert 7 not in picked.rows  # the catalog's nearest item to probe 1 is outside the context
+    nearest = np.max(probes[0] @ items[context_rows[0]].T, axis=1)  # (3,) within the context
+    assert grounded[0] == pytest.approx(np.clip(nearest, 0.0, 1.0).mean(), abs=1e-6)
+
+
+def test_context_resolution_fills_past_the_context_from_the_query():
+    index, items = random_index()
+    context_rows = np.array([[3, 4, 3, 4]])  # two distinct items, repeated to a fixed size
+    selections, _ = resolve_in_context(index, items[[3, 4]][None], context_rows,
+                                       items[context_rows], items[9:10], [6])
+    picked = selections[0]
+    assert sorted(picked.rows[:2]) == [3, 4] and picked.filled == 4
+    assert len(set(picked.rows)) == 6 and 9 in picked.rows  # the query's own nearest item
+
+
+def test_a_filtered_query_resolves_against_the_catalog_under_its_filter():
+    _, items = random_index()
+    metadata = [{"even": row % 2 == 0} for row in range(len(items))]
+    index = FaissIndex(build_index(items), metadata)
+    where = where_of({"even": True}, {"even"})
+    context_rows = np.array([[1, 3, 5, 7], [1, 3, 5, 7]])  # odd rows only
+    probes = np.stack([items[[1, 3]], items[[1, 3]]])  # (2, 2, d)
+    selections, _ = resolve_in_context(index, probes, context_rows, items[context_rows],
+                                       items[:2], [2, 2], [None, where])
+    assert sorted(selections[0].rows) == [1, 3]
+    assert len(selections[1].rows) == 2 and all(row % 2 == 0 for row in selections[1].rows)
