@@ -81,7 +81,7 @@ class FtsTokenizer:
             return tuple(t for (t,) in self._db.execute("SELECT term FROM v ORDER BY offset"))
 
     def close(self) -> None:
-        self._tokenizer.close()
+        self._db.close()
 
 
 def indexed_tokens(db: sqlite3.Connection, size: int) -> tuple[dict[str, int], list[list[int]]]:
@@ -138,6 +138,7 @@ class LexicalIndex:
         self._bm25.index(bm25s.tokenization.Tokenized(ids=corpus, vocab=self.vocab),
                          show_progress=False)
         floor_common_tokens(self._bm25.scores, corpus)
+        self._start = self._bm25.scores["indptr"].tolist()  # token → its postings' bounds
         self._tokenizer = FtsTokenizer()
 
     def token_ids(self, query: str) -> list[int]:
@@ -150,14 +151,16 @@ class LexicalIndex:
         return [self._ranked(self.token_ids(query), n) for query in queries]
 
     def _ranked(self, ids: list[int], n: int) -> np.ndarray:
+        """BM25 over the texts holding a query token only (bm25s scores every text): each
+        text's token scores summed in token order, as bm25s's own sum does."""
         if not ids or n <= 0:
             return np.zeros(0, dtype=np.int64)
-        postings = self._bm25.scores
-        rows = np.unique(np.concatenate([postings["indices"][postings["indptr"][t] :
-                                                             postings["indptr"][t + 1]]
-                                         for t in ids]))  # every text with a query token
-        scores = self._bm25.get_scores_from_ids(ids)[rows]
-        return rows[np.lexsort((rows, -scores))][:n].astype(np.int64)
+        postings, bounds = self._bm25.scores, [(self._start[t], self._start[t + 1]) for t in ids]
+        rows = np.concatenate([postings["indices"][a:b] for a, b in bounds])  # (M,)
+        terms = np.concatenate([postings["data"][a:b] for a, b in bounds])  # (M,)
+        unique, inverse = np.unique(rows, return_inverse=True)  # every text with a query token
+        scores = np.bincount(inverse, weights=terms, minlength=len(unique))  # (U,)
+        return unique[np.lexsort((unique, -scores))][:n].astype(np.int64)
 
     def close(self) -> None:
-        self._db.close()
+        self._tokenizer.close()  # the catalog's connection closed once read

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from service.fanout.candidates import Candidates
-from service.fanout.format import context_names, item_name, item_names
+from service.fanout.format import item_name
 
 NOT_A_NAME = -1
 
@@ -35,6 +35,37 @@ class NameGrounding:
             if key:
                 rows_of.setdefault(key, []).append(row)
         self._rows = {key: np.asarray(rows, dtype=np.int64) for key, rows in rows_of.items()}
+        # the same map as arrays, for batches of rows: each row's name id (−1: no name) and
+        # each name's only row (−1: shared by several, chosen per query)
+        self._ids = {key: i for i, key in enumerate(self._rows)}
+        self.name_ids = np.full(len(item_texts), NOT_A_NAME, dtype=np.int64)  # (N,)
+        self._only = np.full(len(self._rows), NOT_A_NAME, dtype=np.int64)  # (K,)
+        for i, rows in enumerate(self._rows.values()):
+            self.name_ids[rows] = i
+            if len(rows) == 1:
+                self._only[i] = rows[0]
+        self._shared = list(self._rows.values())  # name id → its rows
+
+    def name_id(self, text: str) -> int:
+        """The id of the name `text` is (case and spacing aside), else −1."""
+        return self._ids.get(name_key(text), NOT_A_NAME)
+
+    def named_rows(self, ids: np.ndarray, query: np.ndarray) -> np.ndarray:
+        """(n,) the item of each name id (n,) for one query (d,): `rows` without the texts."""
+        rows = self._only[ids]  # (n,)
+        shared = np.flatnonzero(rows < 0)
+        if len(shared):
+            groups = [self._shared[i] for i in ids[shared].tolist()]
+            sizes = np.array([len(g) for g in groups])
+            flat = np.concatenate(groups)  # (m,) every row of the shared names
+            scores = self.embeddings[flat] @ query  # (m,)
+            starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+            group = np.repeat(np.arange(len(groups)), sizes)  # (m,) each row's name
+            best = scores == np.maximum.reduceat(scores, starts)[group]  # (m,) a group's max
+            first = np.flatnonzero(best)
+            _, at = np.unique(group[first], return_index=True)  # its first, as argmax picks
+            rows[shared] = flat[first[at]]
+        return rows
 
     def __contains__(self, text: str) -> bool:
         return name_key(text) in self._rows
@@ -74,19 +105,21 @@ class PromptNeighbourhood:
     def __init__(self, candidates: Candidates, item_texts: Sequence[str], embeddings: np.ndarray,
                  n: int) -> None:
         self.candidates, self.n = candidates, int(n)
-        self.names = item_names(item_texts)
         self.grounding = NameGrounding(item_texts, embeddings)
 
     def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
         """(Q, n) int64 rows for query texts and embeddings (Q, d), best first; when a query's
-        neighbourhood holds fewer than n names, its rows repeat in order (fixed shape)."""
+        neighbourhood holds fewer than n names, its rows repeat in order (fixed shape).
+        `context_names` grounded by `NameGrounding.rows`, computed on name ids: the items'
+        names are compared once, when the grounding is built, not per query."""
         out = np.empty((len(texts), self.n), dtype=np.int64)
-        contexts = context_names(self.candidates, self.names, texts, queries, self.n)
-        for i, names in enumerate(contexts):
-            owners = np.repeat(queries[i : i + 1], len(names), axis=0)  # (n_i, d)
-            rows = self.grounding.rows(names, owners)
-            rows = rows[rows >= 0]  # every name is an item's, so all are found
-            if not len(rows):
+        found = self.candidates.rows(texts, queries, 3 * self.n)  # 3n: room for repeats
+        for i, (text, candidates) in enumerate(zip(texts, found, strict=True)):
+            ids = self.grounding.name_ids[candidates]  # (m,) name of each candidate
+            ids = ids[(ids != NOT_A_NAME) & (ids != self.grounding.name_id(text))]
+            _, first = np.unique(ids, return_index=True)
+            ids = ids[np.sort(first)][: self.n]  # the first n distinct names, in order
+            if not len(ids):
                 raise ValueError(f"no catalog name near query {i} ({texts[i]!r})")
-            out[i] = np.resize(rows, self.n)  # (n,)
+            out[i] = np.resize(self.grounding.named_rows(ids, queries[i]), self.n)  # (n,)
         return out

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
 from service.errors import BundleError
-from service.fanout.candidates import candidate_rows, fuse
+from service.fanout.candidates import RRF_K, candidate_rows, fuse
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
 
@@ -36,6 +38,19 @@ def test_fusion_ranks_by_summed_reciprocal_rank():
     assert fuse([np.array([1, 2, 3]), np.array([3, 4])], 3).tolist() == [3, 1, 2]
 
 
+def test_fusion_is_the_running_sum_with_ties_in_first_seen_order():
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # rankings over few rows: many shared rows and tied scores
+        rankings = [rng.choice(30, size=rng.integers(0, 25), replace=False) for _ in range(2)]
+        score: dict[int, float] = {}
+        for ranking in rankings:
+            for rank, row in enumerate(ranking.tolist()):
+                score[row] = score.get(row, 0.0) + 1.0 / (RRF_K + rank + 1)
+        expected = sorted(score, key=lambda row: -score[row])[:20]  # stable: first seen first
+        assert fuse(rankings, 20).tolist() == expected
+    assert fuse([], 5).tolist() == []
+
+
 def test_lexical_sources_need_the_index_and_sources_are_checked(bundle):
     queries = Encoder(bundle.encoder_config).encode(["dog"])
     with pytest.raises(BundleError, match="unknown candidate source"):
@@ -48,26 +63,31 @@ def test_lexical_sources_need_the_index_and_sources_are_checked(bundle):
 def test_teacher_prompt_student_context_and_served_routes_share_one_candidate_list(bundle):
     """The teacher's GRPO prompt, the served AR prompt and the diffusion context name the same
     items for a query when they record the same source: one definition, not three."""
-    from service.fanout.format import prompt_context
-    from service.fanout.grounding import NameGrounding
+    from service.fanout.format import item_name, prompt_context
+    from service.fanout.grounding import NameGrounding, name_key
     from service.paths.autoregressive import AutoregressivePath
     from service.paths.diffusion import DiffusionContext
     from training.stage1_fanout.grpo import FanoutScorer
 
-    texts = ["dog", "musical instrument"]
+    # names of an item and of several (shared names ground by the query), free text
+    texts = ["dog", "musical instrument", "bass", "Tree", "head of state", "water"]
     encoder = Encoder(bundle.encoder_config)
     queries = encoder.encode(texts)
     scorer = FanoutScorer(bundle, encoder, 10)
-    teacher = scorer.prompts(texts, {"context": 6, "candidates": "hybrid"})
-    served = AutoregressivePath(bundle, encoder, backend=None, fanout_k=10, context=6,
+    teacher = scorer.prompts(texts, {"context": 16, "candidates": "hybrid"})
+    served = AutoregressivePath(bundle, encoder, backend=None, fanout_k=10, context=16,
                                 candidates="hybrid")
     assert served.prompt_builder.prompts(texts, queries) == teacher
-    student = DiffusionContext(bundle, {"context": 6, "context_source": "prompt",
-                                        "candidates": "hybrid"}).rows(texts, queries)  # (2, 6)
+    student = DiffusionContext(bundle, {"context": 16, "context_source": "prompt",
+                                        "candidates": "hybrid"}).rows(texts, queries)  # (6, 16)
     grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
-    for prompt, rows, query in zip(teacher, student, queries, strict=True):
+    owners = Counter(name_key(item_name(t)) for t in bundle.items.texts)
+    named = [name_key(n) for prompt in teacher for n in prompt_context(prompt)]
+    assert any(owners[key] > 1 for key in named)  # some names are several items'
+    for prompt, rows, query, text in zip(teacher, student, queries, texts, strict=True):
         names = prompt_context(prompt)
-        assert len(names) == 6
-        assert grounding.rows(names, np.repeat(query[None], 6, axis=0)).tolist() == rows.tolist()
+        assert text.lower() not in {name.lower() for name in names}  # the query's own skipped
+        grounded = grounding.rows(names, np.repeat(query[None], len(names), axis=0))
+        assert np.resize(grounded, 16).tolist() == rows.tolist()
     # the source is carried, not ignored: the dense prompt of the same size names other items
     assert scorer.prompts(texts, {"context": 6}) != teacher

@@ -36,7 +36,7 @@ def test_no_text_calls_no_encoder() -> None:
 
 
 def test_prompt_neighbourhood_is_the_items_the_prompt_names_in_its_order() -> None:
-    from service.fanout.format import PromptBuilder, prompt_context
+    from service.fanout.format import PromptBuilder, item_names, prompt_context
     from service.fanout.grounding import PromptNeighbourhood
     from service.runtime.index import build_index
 
@@ -51,6 +51,6 @@ def test_prompt_neighbourhood_is_the_items_the_prompt_names_in_its_order() -> No
     assert rows.tolist() == [[0, 2, 4]]
     builder = PromptBuilder(Candidates(build_index(emb)), texts, 3)
     names = prompt_context(builder.prompts(["camping"], query)[0])
-    assert [prompt.names[r] for r in rows[0]] == names == ["tent", "stove", "lamp"]
+    assert [item_names(texts)[r] for r in rows[0]] == names == ["tent", "stove", "lamp"]
     wide = PromptNeighbourhood(Candidates(build_index(emb)), texts, emb, 7).rows(["camping"], query)
     assert wide.tolist() == [[0, 2, 4, 5, 0, 2, 4]]  # four distinct names, repeated in order

@@ -50,6 +50,7 @@ def test_missing_neighbours_repeat_the_found_ones_in_order():
 def test_the_diffusion_context_follows_the_source_its_sampler_records(small_bundle_dir):
     from service.artifacts.bundle import load_bundle
     from service.errors import BundleError
+    from service.fanout.format import item_name
     from service.fanout.grounding import PromptNeighbourhood
     from service.paths.diffusion import DiffusionContext
     from service.runtime.encoder import Encoder
@@ -66,8 +67,7 @@ def test_the_diffusion_context_follows_the_source_its_sampler_records(small_bund
                                bundle.items.embeddings, 4).rows(texts, queries)
     assert np.array_equal(named, bundle.items.embeddings[rows])
     top = neighbour_rows(bundle.index, queries[:1], 1)[0, 0]  # the "dog" vector's nearest item
-    own = PromptNeighbourhood(Candidates(bundle.index), bundle.items.texts, bundle.items.embeddings,
-                              4).names[top]
+    own = item_name(bundle.items.texts[top])
     skipped = DiffusionContext(bundle, {"context": 4, "context_source": "prompt"})([own],
                                                                                   queries[:1])
     assert np.array_equal(nearest[0, 0], bundle.items.embeddings[top])
