@@ -65,9 +65,12 @@ def open_sampler(bundle: Bundle, steps: int | None = None, solver: str | None = 
 
 
 def diffusion(bundle: Bundle, k: int = 10, steps: int | None = None, solver: str | None = None,
-              seed: int = 0, threads: int = 0) -> Method:
-    """Eval factory: the served diffusion route with noise seed `seed`."""
+              seed: int = 0, threads: int = 0, draws: int | None = None) -> Method:
+    """Eval factory: the served diffusion route with noise seed `seed` (and, given `draws`,
+    that many blocks per query instead of the export's)."""
     sampler = open_sampler(bundle, steps, solver, threads)
+    if draws is not None:
+        sampler.config["draws"] = draws
     path = DiffusionPath(bundle, Encoder(bundle.encoder_config), sampler, seed)
 
     def context(texts: list[str], queries: np.ndarray) -> list[np.ndarray] | None:

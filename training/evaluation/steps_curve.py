@@ -19,6 +19,8 @@ from training.evaluation.diffusion import open_sampler
 from training.evaluation.harness import evaluate
 
 STEPS_CURVE = (1, 2, 4, 8, 16, 32, 64, 256)
+DRAWS_CURVE = (1, 2)  # blocks per query, measured at the few-step end
+FEW_STEPS = 4
 CURVE_DIR = "steps_curve"  # under eval/: the harness's table only reads eval/*.json
 BENCH_BATCH = 64
 
@@ -57,17 +59,21 @@ def steps_curve(bundle: Bundle, split: str = "test", steps_list: tuple[int, ...]
     # every composed sampler shares the exported model's context: look it up once
     context = DiffusionContext(bundle, read_config(bundle.path / "diffusion"))(texts, embedded)
     points = []
+    exported_draws = int(read_config(bundle.path / "diffusion").get("draws", 1))
     for solver in solvers:
         for steps in steps_list:
-            report = evaluate(bundle, "diffusion", split, k, limit, encoder, seeds=seeds,
-                              steps=steps, solver=solver)
-            sampler = open_sampler(bundle, steps, solver)
-            bench = solver_benchmark(sampler, embedded, repeats=1, context=context)
-            points.append({"solver": solver, "steps": steps,
-                           "evaluations": sampler.config["evaluations"],
-                           "mflop_per_query": sampler.config["flops_per_query"] / 1e6,
-                           "solver_ms_per_query": bench["ms_per_query"],
-                           **report["metrics"]})
+            for draws in DRAWS_CURVE if steps <= FEW_STEPS else (exported_draws,):
+                report = evaluate(bundle, "diffusion", split, k, limit, encoder, seeds=seeds,
+                                  steps=steps, solver=solver, draws=draws)
+                sampler = open_sampler(bundle, steps, solver)
+                sampler.config["draws"] = draws
+                bench = solver_benchmark(sampler, embedded, repeats=1, context=context)
+                points.append({"solver": solver, "steps": steps, "draws": draws,
+                               "evaluations": sampler.config["evaluations"] * draws,
+                               "mflop_per_query": draws * sampler.config["flops_per_query"]
+                               / 1e6 / exported_draws,
+                               "solver_ms_per_query": bench["ms_per_query"],
+                               **report["metrics"]})
     reference = next((p for p in points if p["solver"] == "euler" and p["steps"] == 256), None)
     for point in points:
         if reference and reference["coverage@10"]:
@@ -84,7 +90,7 @@ def write_steps_curve(bundle_dir: Path, curve: dict[str, Any]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{curve['split']}.json"
     path.write_text(json.dumps(curve, indent=2) + "\n")
-    columns = ("solver", "steps", "evaluations", "mflop_per_query", "solver_ms_per_query",
+    columns = ("solver", "steps", "draws", "evaluations", "mflop_per_query", "solver_ms_per_query",
                "coverage@10", "recall@5k", "groundedness", "coverage_vs_euler256")
     seeds = curve.get("seeds", 1)
     lines = [f"# Steps curve ({curve['split']}, {curve['n_queries']} queries, {seeds} seeds)", "",

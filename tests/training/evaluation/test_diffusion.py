@@ -174,7 +174,12 @@ def test_harness_runs_diffusion_and_the_steps_curve(bundle, monkeypatch):
     write_report(bundle.path, {**report, "split": "train", "metrics": train})
     assert gaps(bundle.path)["train_vs_test"]["groundedness"] == pytest.approx(0.5)
     curve = steps_curve(bundle, "test", steps_list=(1, 2), solvers=("euler",))
-    assert [p["evaluations"] for p in curve["points"]] == [1, 2]
+    # few steps are measured with one and two draws: evaluations per query = steps x draws
+    assert [(p["steps"], p["draws"]) for p in curve["points"]] == [(1, 1), (1, 2), (2, 1),
+                                                                   (2, 2)]
+    assert [p["evaluations"] for p in curve["points"]] == [1, 2, 2, 4]
+    one, two = curve["points"][:2]
+    assert two["mflop_per_query"] == pytest.approx(2 * one["mflop_per_query"])
     assert all(p["solver_ms_per_query"] > 0 for p in curve["points"])
 
 
