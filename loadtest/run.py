@@ -27,7 +27,7 @@ from service.errors import BundleError
 SCENARIOS = ("single", "diffusion", "ar", "mix")
 # The rates measured sustainable on 2 cores (server and Locust sharing them); see README.
 # `single` (one dense query) comes first, offered twice the rate: the ceiling beside the others.
-DEFAULT_SCENARIOS = "single@400,diffusion@200,ar@60,mix@200"
+DEFAULT_SCENARIOS = "single@800,diffusion@400,ar@60,mix@300"
 HOST = "127.0.0.1"
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
