@@ -140,8 +140,9 @@ class Settings(BaseSettings):
         "diffusion=0.9,ar=0.1", description="A/B weights of the arms, sticky per user_id."
     )
     groundedness_threshold: float = Field(
-        0.3, description="Diffusion answers whose mean cos(row, nearest item) is below this "
-        "fall back to the AR path (quality gate); -1 disables it.",
+        0.3, description="Diffusion answers whose mean cos(row, nearest item it may claim: "
+        "its context's, or the catalog's under a filter) is below this fall back to the AR "
+        "path (quality gate); -1 disables it.",
     )
     warmup_queries: int = Field(2, ge=1, description="Queries per warm-up batch of each path.")
     watch_s: float = Field(

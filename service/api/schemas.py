@@ -112,7 +112,8 @@ class RetrieveResponse(BaseModel):
     arm: str = Field(description="A/B arm: a route name, or 'override' when route was forced.")
     fallback: Fallback
     bundle: str = Field(description="Name of the bundle that answered.")
-    groundedness: float = Field(description="Mean cos of the probes to their nearest items.")
+    groundedness: float = Field(description="Mean cos of the probes to their nearest items "
+                                "among those they may claim (diffusion: its context's).")
     notes: list[str] = Field(default_factory=list, description="Anything worth knowing.")
     subqueries: list[str] = Field(
         default_factory=list, description="AR: the fan-out's usable sub-queries; item slot i "

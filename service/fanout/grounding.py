@@ -51,20 +51,12 @@ class NameGrounding:
         return self._ids.get(name_key(text), NOT_A_NAME)
 
     def named_rows(self, ids: np.ndarray, query: np.ndarray) -> np.ndarray:
-        """(n,) the item of each name id (n,) for one query (d,): `rows` without the texts."""
+        """(n,) the item of each name id (n,) for one query (d,): `rows` without the texts
+        (a shared name's product taken per name, as there, so near-ties break alike)."""
         rows = self._only[ids]  # (n,)
-        shared = np.flatnonzero(rows < 0)
-        if len(shared):
-            groups = [self._shared[i] for i in ids[shared].tolist()]
-            sizes = np.array([len(g) for g in groups])
-            flat = np.concatenate(groups)  # (m,) every row of the shared names
-            scores = self.embeddings[flat] @ query  # (m,)
-            starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-            group = np.repeat(np.arange(len(groups)), sizes)  # (m,) each row's name
-            best = scores == np.maximum.reduceat(scores, starts)[group]  # (m,) a group's max
-            first = np.flatnonzero(best)
-            _, at = np.unique(group[first], return_index=True)  # its first, as argmax picks
-            rows[shared] = flat[first[at]]
+        for j in np.flatnonzero(rows < 0).tolist():
+            shared = self._shared[int(ids[j])]
+            rows[j] = shared[np.argmax(self.embeddings[shared] @ query)]
         return rows
 
     def __contains__(self, text: str) -> bool:

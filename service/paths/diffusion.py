@@ -101,7 +101,7 @@ def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | Non
 
 
 class DiffusionPath:
-    """Query embedding → generated rows (B, L, d) → k distinct nearest items."""
+    """Query embedding → context → generated rows (B, L, d) → k distinct items they claim."""
 
     name = "diffusion"
 

@@ -1,11 +1,12 @@
 """Resolving probes (generated rows or sub-query embeddings) to k distinct catalog items.
 
-`resolve_items` is the one resolution every route, the evaluation harness and the benchmark
-share. Probes claim items round-robin: in each round the probes, most confident first, claim
-their best neighbour not yet taken (with k = number of probes: one item each, the most
-confident keeping its top-1); later rounds give each probe its next-best neighbour until k
-items are claimed. Slots still empty are filled from the query's own dense neighbours and
-reported as such (slot None).
+`resolve_items` (probes against the catalog) and `resolve_in_context` (a diffusion student's
+rows against the items it chose among) are the resolutions every route, the evaluation harness
+and the benchmark share. Probes claim items round-robin: in each round the probes, most
+confident first, claim their best neighbour not yet taken (with k = number of probes: one item
+each, the most confident keeping its top-1); later rounds give each probe its next-best
+neighbour until k items are claimed. Slots still empty are filled from the query's own dense
+neighbours and reported as such (slot None).
 """
 
 from __future__ import annotations
@@ -164,34 +165,47 @@ def resolve_in_context(
     searches. A query with a metadata filter resolves against the catalog under it instead
     (the context is not filtered); groundedness is then measured against the catalog too."""
     filters = wheres if wheres is not None else [None] * len(ks)
-    scores = np.einsum("qld,qcd->qlc", probes, context)  # (Q, L, C) probe-item cosines
-    order = np.argsort(-scores, axis=2, kind="stable")  # (Q, L, C) best first
-    ranked = np.take_along_axis(scores, order, axis=2)  # (Q, L, C)
-    selections = [claim_round_robin(context_rows[i][order[i]], ranked[i], k)
-                  for i, k in enumerate(ks)]
-    grounded = np.clip(ranked[:, :, 0], 0.0, 1.0).mean(axis=1) if probes.shape[1] \
-        else np.zeros(len(ks))  # (Q,)
+    selections = [Selection() for _ in ks]
+    grounded = np.zeros(len(ks), dtype=np.float32)
+    free = [i for i, where in enumerate(filters) if where is None]
+    if free and probes.shape[1]:
+        claimed, grounded[free] = claim_in_context(probes[free], context_rows[free],
+                                                   context[free], [ks[i] for i in free])
+        for j, i in enumerate(free):
+            selections[i] = claimed[j]
+    _fill_short(index, selections, queries, ks, free)
     filtered = [i for i, where in enumerate(filters) if where is not None]
     if filtered:
         chosen, g = resolve_items(index, [probes[i] for i in filtered], queries[filtered],
                                   [ks[i] for i in filtered], wheres=[filters[i] for i in filtered])
         for j, i in enumerate(filtered):
             selections[i], grounded[i] = chosen[j], g[j]
-    _fill_short(index, selections, queries, ks, filters)
-    return selections, grounded.astype(np.float32)
+    return selections, grounded
+
+
+def claim_in_context(probes: np.ndarray, context_rows: np.ndarray, context: np.ndarray,
+                     ks: list[int]) -> tuple[list[Selection], np.ndarray]:
+    """Round-robin claims of probes (Q, L, d), L ≥ 1, among context_rows (Q, C) with embeddings
+    context (Q, C, d), and each query's groundedness against them (Q,)."""
+    scores = np.einsum("qld,qcd->qlc", probes, context)  # (Q, L, C) cosines
+    order = np.argsort(-scores, axis=2, kind="stable")  # (Q, L, C) best first
+    ranked = np.take_along_axis(scores, order, axis=2)  # (Q, L, C)
+    selections = [claim_round_robin(context_rows[i][order[i]], ranked[i], k)
+                  for i, k in enumerate(ks)]
+    return selections, np.clip(ranked[:, :, 0], 0.0, 1.0).mean(axis=1)  # (Q,)
 
 
 def _fill_short(index: VectorIndex, selections: list[Selection], queries: np.ndarray,
-                ks: list[int], wheres: list[Where | None]) -> None:
-    """Complete the selections with fewer than k items from their queries' dense neighbours
-    (one search per distinct k and filter)."""
-    groups: dict[tuple[int, Where | None], list[int]] = defaultdict(list)
-    for i, selection in enumerate(selections):
-        if len(selection.rows) < ks[i]:
-            groups[(ks[i], wheres[i])].append(i)
-    for (k, where), short in groups.items():
+                ks: list[int], members: list[int]) -> None:
+    """Complete the members' selections that hold fewer than k items from their queries'
+    dense neighbours (one unfiltered search per distinct k)."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i in members:
+        if len(selections[i].rows) < ks[i]:
+            groups[ks[i]].append(i)
+    for k, short in groups.items():
         depth = min(index.ntotal, 2 * k + MIN_DEPTH)
-        dense_scores, dense_rows = search(index, queries[short], depth, where)
+        dense_scores, dense_rows = search(index, queries[short], depth)
         for j, i in enumerate(short):
             fill_from_dense(selections[i], dense_rows[j], dense_scores[j], k)
 

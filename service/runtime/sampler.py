@@ -2,8 +2,9 @@
 
 `diffusion/sampler.onnx` maps query embeddings (B, d) and standard-normal noise (B, L, d) to
 L generated unit rows per query in one `session.run`; resolving rows to catalog items is
-`service.paths.resolution.resolve_items`. A model with a context (`context` = C in
-diffusion.json) also takes the embeddings of C catalog items per query (B, C, d), best first:
+`service.paths.resolution.resolve_in_context` (`resolve_items` for a model without context).
+A model with a context (`context` = C in diffusion.json) also takes the embeddings of C
+catalog items per query (B, C, d), best first:
 its nearest, or those its fan-out prompt names (`context_source`), as
 `service.paths.diffusion.DiffusionContext` looks them up. Several draws per query (`draws`)
 are the caller's: `service.paths.diffusion.draw_rows`. ONNX Runtime's CUDA provider is used

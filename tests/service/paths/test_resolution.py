@@ -110,7 +110,8 @@ def test_context_resolution_claims_only_context_items_nearest_first():
     picked = selections[0]
     assert set(picked.rows) <= set(context_rows[0].tolist()) and len(set(picked.rows)) == 5
     assert {41, 44} <= set(picked.rows[:3])  # probes near context items claim them first
-    assert 7 not in picked.rows  # the catalog's nearest item to probe 1 is outside the context
+    catalog, _ = resolve_items(index, [probes[0]], items[:1], [5])
+    assert 7 in catalog[0].rows  # against the catalog, probe 1 would claim item 7
     nearest = np.max(probes[0] @ items[context_rows[0]].T, axis=1)  # (3,) within the context
     assert grounded[0] == pytest.approx(np.clip(nearest, 0.0, 1.0).mean(), abs=1e-6)
 
@@ -136,3 +137,32 @@ def test_a_filtered_query_resolves_against_the_catalog_under_its_filter():
                                        items[:2], [2, 2], [None, where])
     assert sorted(selections[0].rows) == [1, 3]
     assert len(selections[1].rows) == 2 and all(row % 2 == 0 for row in selections[1].rows)
+    _, grounded = resolve_in_context(index, probes, context_rows, items[context_rows], items[:2],
+                                     [2, 2], [None, where])
+    evens = items[0::2]  # the filtered query's groundedness is against the filtered catalog
+    expected = np.clip(np.max(probes[1] @ evens.T, axis=1), 0.0, 1.0).mean()
+    assert grounded[1] == pytest.approx(expected, abs=1e-5) and grounded[0] > 0.999
+
+
+def test_context_resolution_of_a_mixed_batch_gives_each_query_its_own_k():
+    _, items = random_index()
+    metadata = [{"rare": row < 3} for row in range(len(items))]  # a filter only 3 rows match
+    index = FaissIndex(build_index(items), metadata)
+    rare = where_of({"rare": True}, {"rare"})
+    context_rows = np.tile(np.arange(10, 22), (3, 1))  # (3, 12)
+    probes = np.stack([items[10:14], items[14:18], items[18:22]])  # (3, 4, d)
+    selections, _ = resolve_in_context(index, probes, context_rows, items[context_rows],
+                                       items[30:33], [2, 12, 5], [None, None, rare])
+    first, second, filtered = selections
+    assert len(first.rows) == 2 and set(first.rows) <= set(range(10, 14))
+    assert sorted(second.rows) == list(range(10, 22)) and second.filled == 0
+    assert sorted(filtered.rows) == [0, 1, 2]  # fewer than k match: fewer are returned
+
+
+def test_context_resolution_without_rows_fills_every_slot_from_the_query():
+    index, items = random_index()
+    context_rows = np.array([[1, 2, 3]])
+    selections, grounded = resolve_in_context(index, np.zeros((1, 0, items.shape[1])),
+                                              context_rows, items[context_rows], items[5:6], [4])
+    assert selections[0].filled == 4 and grounded[0] == 0.0
+    assert selections[0].rows[0] == 5  # the query is item 5's vector: its own item first
