@@ -98,7 +98,7 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
                         help="default: <bundle>/runs/diffusion/checkpoint.pt")
     export.add_argument("--solver", default=None, choices=("euler", "heun"),
                         help="default: ExportConfig's")
-    export.add_argument("--steps", type=int, default=None,
+    export.add_argument("--steps", type=positive, default=None,
                         help="solver steps (default: ExportConfig's)")
     export.add_argument("--draws", type=positive, default=None,
                         help="blocks sampled per query; a row that repeats an item is "

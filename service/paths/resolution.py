@@ -12,6 +12,7 @@ neighbours and reported as such (slot None).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -146,12 +147,7 @@ def _resolve_same_k(
         selections.append(claim_round_robin(block_rows, block_scores, k, caps[i]))
         if count:
             grounded[i] = float(np.clip(block_scores[:, 0], 0.0, 1.0).mean())
-    short = [i for i, s in enumerate(selections) if len(s.rows) < k]
-    if short:
-        dense_scores, dense_rows = search(index, queries[short],
-                                          min(index.ntotal, 2 * k + depth), where)
-        for j, i in enumerate(short):
-            fill_from_dense(selections[i], dense_rows[j], dense_scores[j], k)
+    fill_short(index, selections, queries, [k] * len(probes), range(len(probes)), where, depth)
     return selections, grounded
 
 
@@ -173,7 +169,7 @@ def resolve_in_context(
                                                    context[free], [ks[i] for i in free])
         for j, i in enumerate(free):
             selections[i] = claimed[j]
-    _fill_short(index, selections, queries, ks, free)
+    fill_short(index, selections, queries, ks, free)
     filtered = [i for i, where in enumerate(filters) if where is not None]
     if filtered:
         chosen, g = resolve_items(index, [probes[i] for i in filtered], queries[filtered],
@@ -195,17 +191,18 @@ def claim_in_context(probes: np.ndarray, context_rows: np.ndarray, context: np.n
     return selections, np.clip(ranked[:, :, 0], 0.0, 1.0).mean(axis=1)  # (Q,)
 
 
-def _fill_short(index: VectorIndex, selections: list[Selection], queries: np.ndarray,
-                ks: list[int], members: list[int]) -> None:
+def fill_short(index: VectorIndex, selections: list[Selection], queries: np.ndarray,
+               ks: list[int], members: Iterable[int], where: Where | None = None,
+               depth: int = MIN_DEPTH) -> None:
     """Complete the members' selections that hold fewer than k items from their queries'
-    dense neighbours (one unfiltered search per distinct k)."""
+    dense neighbours, 2k + depth deep (one search per distinct k, under `where`)."""
     groups: dict[int, list[int]] = defaultdict(list)
     for i in members:
         if len(selections[i].rows) < ks[i]:
             groups[ks[i]].append(i)
     for k, short in groups.items():
-        depth = min(index.ntotal, 2 * k + MIN_DEPTH)
-        dense_scores, dense_rows = search(index, queries[short], depth)
+        dense_scores, dense_rows = search(index, queries[short], min(index.ntotal, 2 * k + depth),
+                                          where)
         for j, i in enumerate(short):
             fill_from_dense(selections[i], dense_rows[j], dense_scores[j], k)
 

@@ -56,10 +56,11 @@ def steps_curve(bundle: Bundle, split: str = "test", steps_list: tuple[int, ...]
     encoder = encoder or Encoder(bundle.encoder_config)
     texts = [q.query for q in load_split(bundle.path, split)[:limit]]
     embedded = encoder.encode(texts)  # (Q, d)
+    exported = read_config(bundle.path / "diffusion")
     # every composed sampler shares the exported model's context: look it up once
-    context = DiffusionContext(bundle, read_config(bundle.path / "diffusion"))(texts, embedded)
+    context = DiffusionContext(bundle, exported)(texts, embedded)
     points = []
-    exported_draws = int(read_config(bundle.path / "diffusion").get("draws", 1))
+    exported_draws = int(exported.get("draws", 1))
     for solver in solvers:
         for steps in steps_list:
             for draws in DRAWS_CURVE if steps <= FEW_STEPS else (exported_draws,):
@@ -78,7 +79,6 @@ def steps_curve(bundle: Bundle, split: str = "test", steps_list: tuple[int, ...]
     for point in points:
         if reference and reference["coverage@10"]:
             point["coverage_vs_euler256"] = point["coverage@10"] / reference["coverage@10"]
-    exported = read_config(bundle.path / "diffusion")
     return {"split": split, "n_queries": len(embedded), "k": k, "seeds": seeds, "points": points,
             "exported": {key: exported.get(key) for key in ("solver", "steps", "cfg_weight",
                                                              "draws", "context_source")}}
