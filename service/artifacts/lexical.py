@@ -152,15 +152,21 @@ class LexicalIndex:
 
     def _ranked(self, ids: list[int], n: int) -> np.ndarray:
         """BM25 over the texts holding a query token only (bm25s scores every text): each
-        text's token scores summed in token order, as bm25s's own sum does."""
+        text's token scores summed in token order, as bm25s's own sum does; ties by row.
+        Per query, not for the batch at once: small sorts stay in cache, and one sort of a
+        whole batch's postings measured slower."""
         if not ids or n <= 0:
             return np.zeros(0, dtype=np.int64)
         postings, bounds = self._bm25.scores, [(self._start[t], self._start[t + 1]) for t in ids]
         rows = np.concatenate([postings["indices"][a:b] for a, b in bounds])  # (M,)
-        terms = np.concatenate([postings["data"][a:b] for a, b in bounds])  # (M,)
-        unique, inverse = np.unique(rows, return_inverse=True)  # every text with a query token
-        scores = np.bincount(inverse, weights=terms, minlength=len(unique))  # (U,)
-        return unique[np.lexsort((unique, -scores))][:n].astype(np.int64)
+        scores = np.concatenate([postings["data"][a:b] for a, b in bounds])  # (M,)
+        if len(ids) > 1:  # one token's postings are distinct texts already
+            rows, inverse = np.unique(rows, return_inverse=True)  # every text with a query token
+            scores = np.bincount(inverse, weights=scores, minlength=len(rows))  # (U,)
+        if len(rows) > n:  # only the texts scoring at least the n-th best need ordering
+            best = scores >= np.partition(scores, len(scores) - n)[len(scores) - n]
+            rows, scores = rows[best], scores[best]
+        return rows[np.lexsort((rows, -scores))][:n].astype(np.int64)
 
     def close(self) -> None:
         self._tokenizer.close()  # the catalog's connection closed once read

@@ -20,6 +20,7 @@ from service.artifacts.bundle import Bundle
 from service.artifacts.lexical import LexicalIndex
 from service.errors import BundleError
 from service.runtime.index import search
+from service.runtime.segments import first_n_each, sum_by_owner
 
 CANDIDATE_SOURCES = ("dense", "lexical", "hybrid")
 DEFAULT_SOURCE = "dense"  # what a policy or sampler recorded before sources existed
@@ -51,8 +52,7 @@ class Candidates:
         lexical = self.lexical.search(texts, n)
         if self.source == "lexical":
             return lexical
-        dense = dense_rows(self.index, queries, n)
-        return [fuse([lex, near], n) for lex, near in zip(lexical, dense, strict=True)]
+        return fuse_each([lexical, dense_rows(self.index, queries, n)], n)
 
 
 def dense_rows(index: Any, queries: np.ndarray, n: int) -> list[np.ndarray]:
@@ -68,12 +68,23 @@ def candidate_rows(bundle: Bundle, texts: Sequence[str], queries: np.ndarray, n:
 
 def fuse(rankings: Sequence[np.ndarray], n: int) -> np.ndarray:
     """Reciprocal-rank fusion of ranked row lists: the first n rows by Σ 1 / (RRF_K + rank),
-    ties in first-seen order. np.bincount adds each row's terms in list order, as a running
-    sum would, so the scores (and the order) are exactly the pure-Python fusion's."""
-    if not rankings:
-        return np.zeros(0, dtype=np.int64)
-    rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in rankings])  # (M,)
-    terms = np.concatenate([1.0 / (RRF_K + np.arange(1, len(r) + 1)) for r in rankings])
-    unique, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
-    score = np.bincount(inverse, weights=terms, minlength=len(unique))  # (U,)
-    return unique[np.lexsort((first, -score))][:n]
+    ties in first-seen order."""
+    return fuse_each([[r] for r in rankings], n)[0]
+
+
+def fuse_each(sources: Sequence[Sequence[np.ndarray]], n: int) -> list[np.ndarray]:
+    """`fuse` for a batch at once: sources[s][q] is source s's ranking for query q. Each
+    (query, row)'s terms are summed in source order, so the scores (and the order) are exactly
+    a running sum's."""
+    count = len(sources[0]) if sources else 1
+    lists = [np.asarray(source[q], dtype=np.int64) for q in range(count) for source in sources]
+    if not lists:
+        return [np.zeros(0, dtype=np.int64) for _ in range(count)]
+    sizes = np.array([len(r) for r in lists], dtype=np.int64)  # (Q·S,) query-major
+    rows = np.concatenate(lists)  # (M,)
+    owners = np.repeat(np.arange(count).repeat(len(sources)), sizes)  # (M,)
+    rank = np.arange(len(rows)) - np.repeat(np.cumsum(sizes) - sizes, sizes) + 1  # (M,) 1-based
+    width = int(rows.max()) + 1 if len(rows) else 1
+    owner, row, first, score = sum_by_owner(owners, rows, 1.0 / (RRF_K + rank), width)  # (U,)
+    order = np.lexsort((first, -score, owner))  # by query, best first, ties first seen
+    return first_n_each(owner[order], row[order], count, n)

@@ -34,43 +34,57 @@ class NameGrounding:
             key = name_key(item_name(text))
             if key:
                 rows_of.setdefault(key, []).append(row)
-        self._rows = {key: np.asarray(rows, dtype=np.int64) for key, rows in rows_of.items()}
-        # the same map as arrays, for batches of rows: each row's name id (−1: no name) and
-        # each name's only row (−1: shared by several, chosen per query)
-        self._ids = {key: i for i, key in enumerate(self._rows)}
+        self._ids = {key: i for i, key in enumerate(rows_of)}
+        # the map as arrays: each row's name id (−1: no name); each name's rows, CSR
+        # (name i owns _members[_start[i] : _start[i + 1]]); a name's only row (−1: shared)
         self.name_ids = np.full(len(item_texts), NOT_A_NAME, dtype=np.int64)  # (N,)
-        self._only = np.full(len(self._rows), NOT_A_NAME, dtype=np.int64)  # (K,)
-        for i, rows in enumerate(self._rows.values()):
-            self.name_ids[rows] = i
-            if len(rows) == 1:
-                self._only[i] = rows[0]
-        self._shared = list(self._rows.values())  # name id → its rows
+        members = [np.asarray(rows, dtype=np.int64) for rows in rows_of.values()]
+        sizes = np.array([len(m) for m in members], dtype=np.int64)  # (K,)
+        self._members = np.concatenate(members) if members else np.zeros(0, np.int64)
+        self._start = np.concatenate([[0], np.cumsum(sizes)])  # (K + 1,)
+        self.name_ids[self._members] = np.repeat(np.arange(len(sizes)), sizes)
+        self._only = np.where(sizes == 1, self._members[self._start[:-1]], NOT_A_NAME) \
+            if len(sizes) else np.zeros(0, np.int64)  # (K,)
 
     def name_id(self, text: str) -> int:
         """The id of the name `text` is (case and spacing aside), else −1."""
         return self._ids.get(name_key(text), NOT_A_NAME)
 
-    def named_rows(self, ids: np.ndarray, query: np.ndarray) -> np.ndarray:
-        """(n,) the item of each name id (n,) for one query (d,): `rows` without the texts
-        (a shared name's product taken per name, as there, so near-ties break alike)."""
-        rows = self._only[ids]  # (n,)
-        for j in np.flatnonzero(rows < 0).tolist():
-            shared = self._shared[int(ids[j])]
-            rows[j] = shared[np.argmax(self.embeddings[shared] @ query)]
+    def named_rows(self, ids: np.ndarray, queries: np.ndarray,
+                   owners: np.ndarray | None = None) -> np.ndarray:
+        """(n,) int64: the item of each name id (n,), −1 where none; a name several items
+        share stands for the one nearest its query (first of them on a tie): queries[owners]
+        of queries (Q, d), owners (n,) (by default one query per id)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        owners = np.arange(len(ids)) if owners is None else owners
+        rows = np.full(len(ids), NOT_A_NAME, dtype=np.int64)  # (n,)
+        named = ids != NOT_A_NAME
+        rows[named] = self._only[ids[named]]
+        shared = np.flatnonzero(named & (rows == NOT_A_NAME))  # (m,)
+        if len(shared):
+            rows[shared] = self._nearest_member(ids[shared], queries[owners[shared]])
         return rows
 
+    def _nearest_member(self, ids: np.ndarray, queries: np.ndarray) -> np.ndarray:
+        """(m,) for shared names (m,): each one's member nearest its query (m, d), all at once
+        (one product per member, the first maximum of each name's segment)."""
+        sizes = self._start[ids + 1] - self._start[ids]  # (m,) ≥ 2 each
+        offsets = np.cumsum(sizes) - sizes  # (m,) segment starts
+        segment = np.repeat(np.arange(len(ids)), sizes)  # (M,)
+        members = self._members[np.arange(int(sizes.sum())) - offsets[segment]
+                                + self._start[ids][segment]]  # (M,)
+        scores = np.einsum("md,md->m", self.embeddings[members], queries[segment])  # (M,)
+        best = np.flatnonzero(scores == np.maximum.reduceat(scores, offsets)[segment])
+        _, first = np.unique(segment[best], return_index=True)  # first maximum per segment
+        return members[best[first]]
+
     def __contains__(self, text: str) -> bool:
-        return name_key(text) in self._rows
+        return name_key(text) in self._ids
 
     def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
         """(n,) int64: the named item of each text (nearest its query (n, d)), else −1."""
-        out = np.full(len(texts), NOT_A_NAME, dtype=np.int64)
-        for i, text in enumerate(texts):
-            rows = self._rows.get(name_key(text))
-            if rows is not None:
-                out[i] = rows[0] if len(rows) == 1 else rows[np.argmax(self.embeddings[rows]
-                                                                       @ queries[i])]
-        return out
+        return self.named_rows(np.array([self.name_id(t) for t in texts], dtype=np.int64),
+                               queries)
 
     def probes(
         self, texts: Sequence[str], queries: np.ndarray,
@@ -102,16 +116,31 @@ class PromptNeighbourhood:
     def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
         """(Q, n) int64 rows for query texts and embeddings (Q, d), best first; when a query's
         neighbourhood holds fewer than n names, its rows repeat in order (fixed shape).
-        `context_names` grounded by `NameGrounding.rows`, computed on name ids: the items'
-        names are compared once, when the grounding is built, not per query."""
-        out = np.empty((len(texts), self.n), dtype=np.int64)
+        `context_names` grounded by `NameGrounding.named_rows`, for the whole batch at once."""
         found = self.candidates.rows(texts, queries, 3 * self.n)  # 3n: room for repeats
-        for i, (text, candidates) in enumerate(zip(texts, found, strict=True)):
-            ids = self.grounding.name_ids[candidates]  # (m,) name of each candidate
-            ids = ids[(ids != NOT_A_NAME) & (ids != self.grounding.name_id(text))]
-            _, first = np.unique(ids, return_index=True)
-            ids = ids[np.sort(first)][: self.n]  # the first n distinct names, in order
-            if not len(ids):
-                raise ValueError(f"no catalog name near query {i} ({texts[i]!r})")
-            out[i] = np.resize(self.grounding.named_rows(ids, queries[i]), self.n)  # (n,)
-        return out
+        ids = np.full((len(texts), 3 * self.n), NOT_A_NAME, dtype=np.int64)  # (Q, 3n)
+        for i, candidates in enumerate(found):
+            ids[i, : len(candidates)] = self.grounding.name_ids[candidates]
+        own = np.array([self.grounding.name_id(t) for t in texts], dtype=np.int64)  # (Q,)
+        ids[ids == own[:, None]] = NOT_A_NAME  # the query's own name is not offered
+        keep = first_occurrences(ids) & (ids != NOT_A_NAME)  # (Q, 3n)
+        counts = keep.sum(axis=1)  # (Q,)
+        if len(counts) and not counts.all():
+            i = int(np.argmin(counts))
+            raise ValueError(f"no catalog name near query {i} ({texts[i]!r})")
+        kept = np.argsort(~keep, axis=1, kind="stable")  # (Q, 3n) kept positions first, in order
+        cycle = np.arange(self.n)[None, :] % np.minimum(counts, self.n)[:, None]  # (Q, n)
+        names = np.take_along_axis(ids, np.take_along_axis(kept, cycle, axis=1), axis=1)
+        owners = np.repeat(np.arange(len(texts)), self.n)  # (Q·n,) each name's query
+        return self.grounding.named_rows(names.ravel(), queries, owners).reshape(names.shape)
+
+
+def first_occurrences(ids: np.ndarray) -> np.ndarray:
+    """(Q, M) bool: True where an entry of ids (Q, M) is the first of its value in its row."""
+    order = np.argsort(ids, axis=1, kind="stable")  # (Q, M): equal values keep their order
+    ranked = np.take_along_axis(ids, order, axis=1)
+    repeat = np.zeros(ids.shape, dtype=bool)
+    repeat[:, 1:] = ranked[:, 1:] == ranked[:, :-1]
+    first = np.empty_like(repeat)
+    np.put_along_axis(first, order, ~repeat, axis=1)
+    return first

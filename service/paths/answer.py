@@ -44,6 +44,11 @@ class StageClock:
         self._last = now
 
 
+def searched_s(timings_s: dict[str, float]) -> float:
+    """Seconds a batch spent searching the catalog: its context lookup and its resolution."""
+    return timings_s.get("context", 0.0) + timings_s.get("search", 0.0)
+
+
 def stamp(answers: list[PathAnswer], clock: StageClock) -> list[PathAnswer]:
     """Give every answer of a batch the batch's stage timings."""
     for answer in answers:

@@ -104,7 +104,7 @@ class AutoregressivePath:
         queries = self.encoder.encode(texts)  # (B, d)
         clock.lap("encode")
         prompts = self.prompt_builder.prompts(texts, queries)
-        clock.lap("search")
+        clock.lap("context")
         generations = self.backend.generate(prompts)
         if len(generations) != len(batch):
             raise RuntimeError(f"{len(generations)} completions for {len(batch)} queries")

@@ -125,7 +125,7 @@ class DiffusionPath:
         context_rows = self.context.rows([q.text for q in batch], queries)  # (B, C) or None
         context = self.context.embeddings(context_rows)  # (B, C, d) or None
         if context is not None:
-            clock.lap("search")
+            clock.lap("context")
         rows = np.asarray(draw_rows(self.bundle.index, self.sampler, queries, self.seed,
                                     context), dtype=np.float32)
         if rows.ndim != 3 or rows.shape[0] != len(batch) or rows.shape[2] != queries.shape[1]:

@@ -53,8 +53,10 @@ def claim_round_robin(
     n_probes, depth = rows.shape
     if n_probes == 0:
         return picked
-    order = np.argsort(-scores[:, 0], kind="stable")  # most confident probe first
-    cursor = np.zeros(n_probes, dtype=np.int64)
+    order = np.argsort(-scores[:, 0], kind="stable").tolist()  # most confident probe first
+    # walked as Python lists: a numpy scalar read costs several times a list's
+    found, found_scores = rows.tolist(), scores.tolist()
+    cursor = [0] * n_probes
     taken: set[int] = set()
     rounds = 0
     while len(picked.rows) < k and (max_rounds is None or rounds < max_rounds):
@@ -63,15 +65,14 @@ def claim_round_robin(
         for probe in order:
             if len(picked.rows) >= k:
                 break
-            j = int(cursor[probe])
-            while j < depth and (rows[probe, j] < 0 or int(rows[probe, j]) in taken):
+            mine, j = found[probe], cursor[probe]
+            while j < depth and (mine[j] < 0 or mine[j] in taken):
                 j += 1
             if j < depth:
-                row = int(rows[probe, j])
-                taken.add(row)
-                picked.rows.append(row)
-                picked.scores.append(float(scores[probe, j]))
-                picked.slots.append(int(probe))
+                taken.add(mine[j])
+                picked.rows.append(mine[j])
+                picked.scores.append(found_scores[probe][j])
+                picked.slots.append(probe)
                 progressed = True
             cursor[probe] = j + 1
         if not progressed:
@@ -186,8 +187,8 @@ def claim_in_context(probes: np.ndarray, context_rows: np.ndarray, context: np.n
     scores = np.einsum("qld,qcd->qlc", probes, context)  # (Q, L, C) cosines
     order = np.argsort(-scores, axis=2, kind="stable")  # (Q, L, C) best first
     ranked = np.take_along_axis(scores, order, axis=2)  # (Q, L, C)
-    selections = [claim_round_robin(context_rows[i][order[i]], ranked[i], k)
-                  for i, k in enumerate(ks)]
+    found = np.take_along_axis(context_rows[:, None, :], order, axis=2)  # (Q, L, C) rows
+    selections = [claim_round_robin(found[i], ranked[i], k) for i, k in enumerate(ks)]
     return selections, np.clip(ranked[:, :, 0], 0.0, 1.0).mean(axis=1)  # (Q,)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from service.artifacts.bundle import load_bundle
 from service.errors import BundleError
-from service.fanout.candidates import RRF_K, candidate_rows, fuse
+from service.fanout.candidates import RRF_K, candidate_rows, fuse, fuse_each
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
 
@@ -49,6 +49,23 @@ def test_fusion_is_the_running_sum_with_ties_in_first_seen_order():
         expected = sorted(score, key=lambda row: -score[row])[:20]  # stable: first seen first
         assert fuse(rankings, 20).tolist() == expected
     assert fuse([], 5).tolist() == []
+
+
+def running_sum_fusion(rankings: list[np.ndarray], n: int) -> list[int]:
+    score: dict[int, float] = {}
+    for ranking in rankings:
+        for rank, row in enumerate(ranking.tolist()):
+            score[row] = score.get(row, 0.0) + 1.0 / (RRF_K + rank + 1)
+    return sorted(score, key=lambda row: -score[row])[:n]  # stable: first seen first
+
+
+def test_a_batch_fuses_as_its_queries_one_by_one():
+    rng = np.random.default_rng(1)
+    batch = [[rng.choice(40, size=rng.integers(0, 25), replace=False) for _ in range(2)]
+             for _ in range(60)]  # some queries with an empty source, or two
+    fused = fuse_each([[q[0] for q in batch], [q[1] for q in batch]], 12)
+    assert [f.tolist() for f in fused] == [running_sum_fusion(q, 12) for q in batch]
+    assert fuse_each([[], []], 5) == []
 
 
 def test_lexical_sources_need_the_index_and_sources_are_checked(bundle):

@@ -54,3 +54,39 @@ def test_prompt_neighbourhood_is_the_items_the_prompt_names_in_its_order() -> No
     assert [item_names(texts)[r] for r in rows[0]] == names == ["tent", "stove", "lamp"]
     wide = PromptNeighbourhood(Candidates(build_index(emb)), texts, emb, 7).rows(["camping"], query)
     assert wide.tolist() == [[0, 2, 4, 5, 0, 2, 4]]  # four distinct names, repeated in order
+
+
+def test_shared_names_ground_to_their_nearest_member_for_a_whole_batch_at_once() -> None:
+    """named_rows for many (name, query) pairs equals a per-pair scan of the name's members,
+    the first of them on an exact tie."""
+    rng = np.random.default_rng(0)
+    names = [f"name{i % 7}" for i in range(40)]  # 7 names, each shared by 5-6 items
+    texts = [f"{name}: gloss {i}" for i, name in enumerate(names)]
+    emb = rng.standard_normal((40, 8)).astype(np.float32)
+    emb[21] = emb[14]  # name0's members 14 and 21 tie exactly
+    grounding = NameGrounding([*texts, "solo: one item"], np.vstack([emb, emb[:1]]))
+    queries = rng.standard_normal((5, 8)).astype(np.float32)
+    queries[4] = emb[14]
+    ids = np.array([grounding.name_id(f"name{i % 7}") for i in range(30)] +
+                   [grounding.name_id("solo"), -1, grounding.name_id("name0")])  # (33,)
+    owners = np.array([i % 5 for i in range(32)] + [4])
+    members = {n: [r for r, m in enumerate(names) if m == n] for n in set(names)}
+    expected = []
+    for i, owner in zip(range(33), owners, strict=True):
+        if i == 30:
+            expected.append(40)  # the only item named "solo"
+        elif i == 31:
+            expected.append(-1)  # no name
+        else:
+            rows = members[f"name{i % 7}" if i < 30 else "name0"]
+            expected.append(rows[int(np.argmax([emb[r] @ queries[owner] for r in rows]))])
+    assert grounding.named_rows(ids, queries, owners).tolist() == expected
+    assert expected[-1] == 14  # the tie went to the first member
+
+
+def test_first_occurrences_mark_each_value_once_per_row() -> None:
+    from service.fanout.grounding import first_occurrences
+
+    ids = np.array([[3, 1, 3, -1, 1, 2], [5, 5, 5, 0, -1, -1]])
+    assert first_occurrences(ids).astype(int).tolist() == [[1, 1, 0, 1, 0, 1],
+                                                            [1, 0, 0, 1, 1, 0]]
