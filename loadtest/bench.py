@@ -165,8 +165,8 @@ def _row(b: int, clocks: dict[str, dict[str, float]], config: dict, peak: float)
     flops = float(config.get("flops_per_query") or 0.0)
     solver = d.get("solver", 0.0)
     achieved = flops * b / solver / 1e9 if solver > 0 else 0.0
-    # what this model and context cannot go below here: its inputs as measured, its
-    # denoiser's FLOPs at the machine's measured matmul peak
+    # a lower bound on this model and context here: its inputs as measured, its denoiser's
+    # FLOPs at the machine's measured matmul peak (its resolution left out)
     bound = d.get("encode", 0.0) + d.get("context", 0.0) + flops * b / (peak * 1e9)
     return {
         "batch": b,
@@ -203,7 +203,7 @@ def markdown(report: dict) -> str:
         "service's path objects (k distinct items), their own stage clocks",
         "- inputs / single: the diffusion path's encode and context lookup (what its denoiser "
         "reads) over the whole `single` path; bound / single: those plus the denoiser's FLOPs "
-        "at the measured matmul peak, the least this model and context can cost here", "",
+        "at the measured matmul peak, a lower bound on this model and context here", "",
         "| batch | AR (s) | diffusion (s) | single (s) | speedup | diffusion / single | "
         "inputs / single | bound / single | AR decode | AR encode+search | diff. encode | "
         "diff. context | diff. solver | diff. search | AR tokens/query | "

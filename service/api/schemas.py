@@ -99,7 +99,7 @@ RESPONSE_EXAMPLE = {
     "groundedness": 0.78,
     "notes": [],
     "timings_ms": {"queue": 1.2, "encode": 0.4, "context": 1.8, "solver": 6.1, "search": 0.5,
-                   "postprocess": 0.2, "total": 10.9},
+                   "postprocess": 0.2, "total": 10.2},
 }
 
 

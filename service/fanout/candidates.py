@@ -20,7 +20,7 @@ from service.artifacts.bundle import Bundle
 from service.artifacts.lexical import LexicalIndex
 from service.errors import BundleError
 from service.runtime.index import search
-from service.runtime.segments import first_n_each, sum_by_owner
+from service.runtime.segments import first_n_each, spans, sum_by_owner
 
 CANDIDATE_SOURCES = ("dense", "lexical", "hybrid")
 DEFAULT_SOURCE = "dense"  # what a policy or sampler recorded before sources existed
@@ -69,6 +69,8 @@ def candidate_rows(bundle: Bundle, texts: Sequence[str], queries: np.ndarray, n:
 def fuse(rankings: Sequence[np.ndarray], n: int) -> np.ndarray:
     """Reciprocal-rank fusion of ranked row lists: the first n rows by Σ 1 / (RRF_K + rank),
     ties in first-seen order."""
+    if not rankings:
+        return np.zeros(0, dtype=np.int64)
     return fuse_each([[r] for r in rankings], n)[0]
 
 
@@ -76,15 +78,17 @@ def fuse_each(sources: Sequence[Sequence[np.ndarray]], n: int) -> list[np.ndarra
     """`fuse` for a batch at once: sources[s][q] is source s's ranking for query q. Each
     (query, row)'s terms are summed in source order, so the scores (and the order) are exactly
     a running sum's."""
-    count = len(sources[0]) if sources else 1
+    count = len(sources[0]) if sources else 0
+    if any(len(source) != count for source in sources):
+        raise ValueError(f"sources rank {[len(s) for s in sources]} queries; expected one each")
     lists = [np.asarray(source[q], dtype=np.int64) for q in range(count) for source in sources]
     if not lists:
-        return [np.zeros(0, dtype=np.int64) for _ in range(count)]
+        return []
     sizes = np.array([len(r) for r in lists], dtype=np.int64)  # (Q·S,) query-major
-    rows = np.concatenate(lists)  # (M,)
-    owners = np.repeat(np.arange(count).repeat(len(sources)), sizes)  # (M,)
-    rank = np.arange(len(rows)) - np.repeat(np.cumsum(sizes) - sizes, sizes) + 1  # (M,) 1-based
+    rows = np.concatenate(lists)  # (M,) catalog rows, ≥ 0
+    ranking, rank = spans(sizes)  # (M,) each entry's ranking and 0-based rank in it
+    owners = ranking // len(sources)  # (M,) each entry's query
     width = int(rows.max()) + 1 if len(rows) else 1
-    owner, row, first, score = sum_by_owner(owners, rows, 1.0 / (RRF_K + rank), width)  # (U,)
-    order = np.lexsort((first, -score, owner))  # by query, best first, ties first seen
+    owner, row, first, score = sum_by_owner(owners, rows, 1.0 / (RRF_K + rank + 1), width)
+    order = np.lexsort((first, -score, owner))  # (U,) by query, best first, ties first seen
     return first_n_each(owner[order], row[order], count, n)

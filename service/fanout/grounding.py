@@ -16,6 +16,7 @@ import numpy as np
 
 from service.fanout.candidates import Candidates
 from service.fanout.format import item_name
+from service.runtime.segments import best_each, first_occurrences, spans
 
 NOT_A_NAME = -1
 
@@ -43,8 +44,8 @@ class NameGrounding:
         self._members = np.concatenate(members) if members else np.zeros(0, np.int64)
         self._start = np.concatenate([[0], np.cumsum(sizes)])  # (K + 1,)
         self.name_ids[self._members] = np.repeat(np.arange(len(sizes)), sizes)
-        self._only = np.where(sizes == 1, self._members[self._start[:-1]], NOT_A_NAME) \
-            if len(sizes) else np.zeros(0, np.int64)  # (K,)
+        self._only = (np.where(sizes == 1, self._members[self._start[:-1]], NOT_A_NAME)
+                      if len(sizes) else np.zeros(0, np.int64))  # (K,)
 
     def name_id(self, text: str) -> int:
         """The id of the name `text` is (case and spacing aside), else −1."""
@@ -66,17 +67,15 @@ class NameGrounding:
         return rows
 
     def _nearest_member(self, ids: np.ndarray, queries: np.ndarray) -> np.ndarray:
-        """(m,) for shared names (m,): each one's member nearest its query (m, d), all at once
-        (one product per member, the first maximum of each name's segment)."""
+        """(m,) for shared names (m,): each one's member nearest its query (m, d), all at once.
+        Scored in float64, so the nearest is exact and no kernel's rounding decides a near-tie
+        (the first member wins an exact one)."""
         sizes = self._start[ids + 1] - self._start[ids]  # (m,) ≥ 2 each
-        offsets = np.cumsum(sizes) - sizes  # (m,) segment starts
-        segment = np.repeat(np.arange(len(ids)), sizes)  # (M,)
-        members = self._members[np.arange(int(sizes.sum())) - offsets[segment]
-                                + self._start[ids][segment]]  # (M,)
-        scores = np.einsum("md,md->m", self.embeddings[members], queries[segment])  # (M,)
-        best = np.flatnonzero(scores == np.maximum.reduceat(scores, offsets)[segment])
-        _, first = np.unique(segment[best], return_index=True)  # first maximum per segment
-        return members[best[first]]
+        owner, position = spans(sizes)  # (M,) each
+        members = self._members[self._start[ids][owner] + position]  # (M,)
+        scores = np.einsum("md,md->m", self.embeddings[members].astype(np.float64),
+                           queries[owner].astype(np.float64))  # (M,)
+        return members[best_each(sizes, scores)]
 
     def __contains__(self, text: str) -> bool:
         return name_key(text) in self._ids
@@ -130,17 +129,7 @@ class PromptNeighbourhood:
             raise ValueError(f"no catalog name near query {i} ({texts[i]!r})")
         kept = np.argsort(~keep, axis=1, kind="stable")  # (Q, 3n) kept positions first, in order
         cycle = np.arange(self.n)[None, :] % np.minimum(counts, self.n)[:, None]  # (Q, n)
-        names = np.take_along_axis(ids, np.take_along_axis(kept, cycle, axis=1), axis=1)
+        names = np.take_along_axis(ids, np.take_along_axis(kept, cycle, axis=1), axis=1)  # (Q, n)
         owners = np.repeat(np.arange(len(texts)), self.n)  # (Q·n,) each name's query
         return self.grounding.named_rows(names.ravel(), queries, owners).reshape(names.shape)
 
-
-def first_occurrences(ids: np.ndarray) -> np.ndarray:
-    """(Q, M) bool: True where an entry of ids (Q, M) is the first of its value in its row."""
-    order = np.argsort(ids, axis=1, kind="stable")  # (Q, M): equal values keep their order
-    ranked = np.take_along_axis(ids, order, axis=1)
-    repeat = np.zeros(ids.shape, dtype=bool)
-    repeat[:, 1:] = ranked[:, 1:] == ranked[:, :-1]
-    first = np.empty_like(repeat)
-    np.put_along_axis(first, order, ~repeat, axis=1)
-    return first
