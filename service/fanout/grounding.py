@@ -43,7 +43,7 @@ class NameGrounding:
         sizes = np.array([len(m) for m in members], dtype=np.int64)  # (K,)
         self._members = np.concatenate(members) if members else np.zeros(0, np.int64)
         self._start = np.concatenate([[0], np.cumsum(sizes)])  # (K + 1,)
-        self.name_ids[self._members] = np.repeat(np.arange(len(sizes)), sizes)
+        self.name_ids[self._members] = spans(sizes)[0]  # each member's name
         self._only = (np.where(sizes == 1, self._members[self._start[:-1]], NOT_A_NAME)
                       if len(sizes) else np.zeros(0, np.int64))  # (K,)
 

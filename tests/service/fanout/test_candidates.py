@@ -66,6 +66,8 @@ def test_a_batch_fuses_as_its_queries_one_by_one():
     fused = fuse_each([[q[0] for q in batch], [q[1] for q in batch]], 12)
     assert [f.tolist() for f in fused] == [running_sum_fusion(q, 12) for q in batch]
     assert fuse_each([[], []], 5) == []
+    with pytest.raises(ValueError, match="one each"):
+        fuse_each([[np.array([1])], []], 5)
 
 
 def test_lexical_sources_need_the_index_and_sources_are_checked(bundle):
