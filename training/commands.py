@@ -77,6 +77,10 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--context-source", default=None, choices=("nearest", "prompt"),
                        help="the context items: the prompt's or the query's nearest "
                             "(default: the preset's)")
+    for size, what in (("layers", "transformer blocks"), ("hidden", "width"),
+                       ("mlp", "MLP width"), ("heads", "attention heads; divide --hidden")):
+        train.add_argument(f"--{size}", type=positive, default=None,
+                           help=f"the denoiser's {what} (default: the preset's)")
     train.add_argument("--steps", type=int, default=None, help="default: the preset's")
     train.add_argument("--batch", type=int, default=None, help="default: the preset's")
     train.add_argument("--lr", type=float, default=None, help="default: the preset's")

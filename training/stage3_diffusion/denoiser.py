@@ -65,6 +65,10 @@ class DenoiserConfig:
         if self.candidates not in CANDIDATE_SOURCES:
             raise ValueError(f"candidates must be one of {CANDIDATE_SOURCES}, "
                              f"got {self.candidates!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
+        if self.rows < self.k:
+            raise ValueError(f"rows L={self.rows} must be at least k={self.k}")
 
     def to_dict(self) -> dict[str, Any]:
         """As a dict; the default context source is left out, so configs (and the hashes a
@@ -182,10 +186,6 @@ class Denoiser(nn.Module):
 
     def __init__(self, config: DenoiserConfig) -> None:
         super().__init__()
-        if config.hidden % config.heads:
-            raise ValueError("hidden must be divisible by heads")
-        if config.rows < config.k:
-            raise ValueError(f"rows L={config.rows} must be at least k={config.k}")
         self.config = config
         h = config.hidden
         self.register_buffer("freqs", torch.exp(torch.linspace(0.0, math.log(1000.0),

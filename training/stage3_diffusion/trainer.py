@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from service.artifacts.bundle import config_hash, git_commit
-from service.errors import BundleError
+from service.errors import BundleError, InputError
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
 from service.runtime.index import neighbour_rows
@@ -386,9 +386,12 @@ def cmd_train_diffusion(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = train_preset(args.preset, **given(args, "steps", "batch", "lr", "seed"))
-    model = given(args, "context_source")
+    model = given(args, "context_source", "layers", "hidden", "mlp", "heads")
     if model:
-        config = replace(config, model=replace(config.model, **model))
+        try:
+            config = replace(config, model=replace(config.model, **model))
+        except ValueError as exc:
+            raise InputError(str(exc)) from exc
     run_dir = args.run_dir or args.bundle / "runs" / RUN_NAME
     device = device_of(args.device)
     summary = train_on_bundle(args.bundle, config, args.dataset, run_dir, fresh=args.fresh,

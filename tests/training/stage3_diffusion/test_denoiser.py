@@ -269,3 +269,22 @@ def test_a_checkpoint_resumes_only_on_the_device_it_was_trained_on(tmp_path):
     torch.save({**payload, "device": "cuda"}, tmp_path / CHECKPOINT)
     with pytest.raises(ValueError, match="trained on cuda, this run is on cpu"):
         train(data, config, tmp_path, progress=False)
+
+
+def test_train_diffusion_size_options_reach_the_model_and_bad_sizes_are_usage_errors(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from training import cli
+    from training.stage3_diffusion import trainer
+
+    seen = []
+    monkeypatch.setattr(trainer, "train_on_bundle",
+                        lambda bundle, config, *a, **k: seen.append(config) or {"ledger": {}})
+    argv = ["--bundle", str(tmp_path), "train", "diffusion", "--layers", "2", "--hidden", "64",
+            "--mlp", "256", "--heads", "2", "--run-dir", str(tmp_path / "run")]
+    assert cli.main(argv) in (0, None)
+    assert seen[0].model == preset("cpu", layers=2, hidden=64, mlp=256, heads=2)
+    assert cli.main([*argv[:4], "--hidden", "128", "--heads", "3"]) == 2
+    assert "hidden=128 must be divisible by heads=3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="rows L=8 must be at least k=10"):
+        preset("cpu", rows=8)
