@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from loadtest.figure import figure
 from loadtest.report import publish
+from service.api.app import settle_heap
 from service.artifacts.bundle import load_bundle
 from service.errors import R4TError
 from service.paths.answer import PathQuery, searched_s
@@ -126,6 +127,7 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
              (bundle_dir / "benchmark" / "test.jsonl").read_text().splitlines()]
     for path in paths.values():
         timed_batch(path, texts[:8], k)  # warm-up
+    settle_heap()  # as the service does once loaded: no full collection walks the bundles
     peak = matmul_peak_gflops()
     rows = []
     for b in tqdm(batches, desc="bench", unit="batch size"):
