@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml | system-deps
 	[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev,milvus]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev,milvus,llm]'
 	touch $(STAMP)
 
 bundle: install

@@ -151,10 +151,10 @@ class Settings(BaseSettings):
         "/admin/reload.",
     )
     # --- autoregressive path
-    ar_backend: Literal["auto", "onnx", "openai"] = Field(
-        "auto", description="'onnx' = the bundle's folm/ decoder, 'openai' = an "
-        "OpenAI-compatible endpoint, 'auto' = onnx when the bundle has it, else openai when "
-        "openai_base_url is set.",
+    ar_backend: Literal["auto", "onnx", "llama", "openai"] = Field(
+        "auto", description="'onnx' = the bundle's folm/ decoder, 'llama' = its llm/ GGUF "
+        "model in llama.cpp, 'openai' = an OpenAI-compatible endpoint, 'auto' = the first of "
+        "onnx, llama that the bundle has, else openai when openai_base_url is set.",
     )
     fanout_k: int = Field(10, ge=1, description="Sub-queries the fan-out model writes per query.")
     ar_temperature: float | None = Field(

@@ -104,11 +104,14 @@ def evaluate_methods(args: argparse.Namespace) -> None:
         results_table,
         write_report,
     )
+    from training.evaluation.llm import LLM_METHODS, has_llm
 
     index = args.index or Settings(bundle=args.bundle).index
     bundle = load_bundle(args.bundle, IndexChoice.parse(index))
     encoder = Encoder(bundle.encoder_config)
-    names = sorted(METHODS) if args.method == "all" else args.method.split(",")
+    names = args.method.split(",")
+    if args.method == "all":  # the LLM's methods only where the bundle has one (r4t llm)
+        names = [n for n in sorted(METHODS) if n not in LLM_METHODS or has_llm(bundle)]
     for name in names:
         options: dict = {"lam": args.mmr_lambda} if name == "mmr" else {}
         if name not in BASELINES:  # model methods run ONNX Runtime
@@ -150,9 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stages 1-3: every stage's cpu preset (%(default)s), tiny "
                              "(seconds), or the accelerator recipe from --init: gpu, gpu-smoke "
                              "(docs/gpu.md)")
-    bundle.add_argument("--init", default=None, metavar="DIR",
+    bundle.add_argument("--init", default=None, metavar="SOURCE",
                         help="stage 1 starts from this local Hugging Face causal-LM "
-                             "checkpoint (e.g. a Qwen3) instead of training a warm start")
+                             "checkpoint folder (e.g. a Qwen3), a .gguf file or a package "
+                             "shipping one (converted once into models/inits/) instead of "
+                             "training a warm start")
     bundle.set_defaults(func=cmd_bundle)
 
     index = sub.add_parser("index", help="load the bundle's catalog into a Milvus collection "
@@ -194,9 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     from service.api.server import register as register_serve
     from training.stage1_fanout import command as stage1_command
     from training.stage1_fanout import export as policy_export
+    from training.stage1_fanout import gguf
     from training.stage2_synthesis import synthesis
 
-    for module in (stage1_command, policy_export, synthesis):
+    for module in (stage1_command, policy_export, gguf, synthesis):
         module.register(sub)
     register_diffusion(sub)
     register_serve(sub)

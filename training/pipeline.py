@@ -54,6 +54,7 @@ from training.data.catalog import WORDNET, Catalog, load_catalog
 from training.data.encoder import encoder_source, export_encoder, source_key
 from training.data.splits import read_benchmark_file, split_queries, wordnet_queries, write_splits
 from training.device import device_of, distributed
+from training.stage1_fanout.gguf import hf_checkpoint
 
 if TYPE_CHECKING:  # stages 1-3 import torch: only when they are built
     from training.stage1_fanout.grpo import GrpoConfig
@@ -121,6 +122,8 @@ def stage_configs(preset: str = "cpu", init: str | Path | None = None) -> StageC
     if preset in LLM_PRESETS and init is None:
         raise BundleError(f"the {preset} preset trains a pretrained causal LM: name its local "
                           "checkpoint folder with --init (docs/gpu.md)")
+    if init is not None:
+        init = hf_checkpoint(init)
     if init is not None and not (Path(init) / "config.json").is_file():
         raise BundleError(f"--init {init}: no Hugging Face checkpoint there (config.json)")
     small = preset in ("tiny", "gpu-smoke")

@@ -53,6 +53,13 @@ def prompt_context(prompt: str) -> list[str]:
     return []
 
 
+def prompt_query(prompt: str) -> str:
+    """The query text a prompt was built for (its first line)."""
+    head = PROMPT_TEMPLATE.split("{", 1)[0]
+    first = prompt.split("\n", 1)[0]
+    return first[len(head):] if first.startswith(head) else first
+
+
 def item_name(text: str) -> str:
     """An item's first lemma: the text before the first comma or colon."""
     head = text.split(":", 1)[0]

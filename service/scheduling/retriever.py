@@ -37,6 +37,12 @@ from service.runtime.encoder import Encoder
 from service.runtime.faults import FaultySampler
 from service.runtime.filters import metadata_fields, where_of
 from service.runtime.index import IndexChoice, set_threads
+from service.runtime.llama_backend import (
+    GGUF_FILE,
+    LLM_DIR,
+    LlamaCppFanoutBackend,
+    read_llm_config,
+)
 from service.runtime.openai_backend import OpenAICompletionBackend, OpenAIConfig
 from service.scheduling.batching import Batcher, Completed, describe
 from service.scheduling.routing import ROUTE_ORDER, Router
@@ -93,6 +99,8 @@ def _ar_backend(
                               "(R4T_AR_CONTEXT > 0)")
         source = settings.ar_candidates or str(decoder.config.get("candidates", DEFAULT_SOURCE))
         return backend, int(decoder.config.get("k", settings.fanout_k)), context, source
+    if choice == "llama" or (choice == "auto" and bundle.has(f"{LLM_DIR}/{GGUF_FILE}")):
+        return _llama_backend(settings, bundle)
     if settings.openai_base_url:
         key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
         config = OpenAIConfig(
@@ -103,7 +111,19 @@ def _ar_backend(
         )
         return (OpenAICompletionBackend(config), settings.fanout_k, settings.ar_context or 0,
                 settings.ar_candidates or DEFAULT_SOURCE)
-    raise BundleError(f"bundle has no {folder}/model.onnx and R4T_OPENAI_BASE_URL is not set")
+    raise BundleError(f"bundle has no {folder}/model.onnx, no {LLM_DIR}/{GGUF_FILE} and "
+                      "R4T_OPENAI_BASE_URL is not set")
+
+
+def _llama_backend(settings: Settings, bundle: Bundle,
+                   mode: str | None = None) -> tuple[FanoutBackend, int, int, str]:
+    """The bundle's GGUF policy (llm/) in llama.cpp, prompted as its llm.json records."""
+    directory = bundle.path / LLM_DIR
+    config = read_llm_config(directory, mode=mode, temperature=settings.ar_temperature,
+                             max_new_tokens=settings.ar_max_new_tokens, seed=settings.seed)
+    context = config.context if config.mode == "names" else 0
+    backend = LlamaCppFanoutBackend(directory / GGUF_FILE, config, settings.threads)
+    return backend, config.lines, context, config.candidates
 
 
 def ar_path(
@@ -113,6 +133,14 @@ def ar_path(
     """The AR route as `settings` configure it, over the fan-out model in `folder`."""
     backend, fanout_k, context, source = _ar_backend(settings, bundle, loaders or Loaders(),
                                                      folder)
+    return AutoregressivePath(bundle, encoder, backend, fanout_k, context, source)
+
+
+def llm_path(settings: Settings, bundle: Bundle, encoder: Encoder,
+             mode: str | None = None) -> AutoregressivePath:
+    """The AR route over the bundle's GGUF policy (llm/), prompted in `mode` (default: its
+    llm.json's)."""
+    backend, fanout_k, context, source = _llama_backend(settings, bundle, mode)
     return AutoregressivePath(bundle, encoder, backend, fanout_k, context, source)
 
 

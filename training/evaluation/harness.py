@@ -25,6 +25,7 @@ from training.data.splits import BenchmarkQuery, load_split
 from training.evaluation.baselines import BASELINES, Method, MethodOutput
 from training.evaluation.diffusion import diffusion
 from training.evaluation.fanout import FANOUT_METHODS
+from training.evaluation.llm import LLM_METHODS
 from training.evaluation.metrics import (
     best_coverage,
     group_hit_rate,
@@ -44,7 +45,7 @@ BATCH = 64
 DIAGNOSTICS = ("distinct_subqueries", "recall@5k_union", "pool_size", "union_pool_size")
 
 # name -> factory(bundle, k, **options) -> Method; later stages register their methods here.
-METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS,
+METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS, **LLM_METHODS,
                                              "diffusion": diffusion}
 PER_SEED = ("recall@5k", "coverage@10", "reward")  # per-seed means kept in the diagnostics
 PAIRED = ("coverage@10", "recall@5k")  # per-query means kept, for paired comparisons

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from service.errors import InputError
 from service.fanout.trie import DECODINGS
 from training.commands import given, non_negative, positive, subcommand_group
 from training.stage1_fanout.ablation import ablation_report
+from training.stage1_fanout.gguf import hf_checkpoint
 from training.stage1_fanout.grpo import (
     ABLATION,
     GRPO_PRESETS,
@@ -26,7 +26,7 @@ from training.stage1_fanout.warmstart import warm_start
 
 def cmd_train_folm(args: argparse.Namespace) -> None:
     started = time.perf_counter()
-    init = Path(args.init) if args.init else warm_start(
+    init = hf_checkpoint(args.init) if args.init else warm_start(
         args.bundle, warm_config(args.preset, threads=args.threads), force=args.force_warmstart)
     if args.warmstart_only:
         return
@@ -80,7 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                            "(default: the preset's)")
     folm.add_argument("--decoding", default=None, choices=DECODINGS,
                       help="how sampled lines are decoded (default: the preset's)")
-    folm.add_argument("--init", default=None, help="start from this HF checkpoint folder")
+    folm.add_argument("--init", default=None,
+                      help="start from this HF checkpoint folder, .gguf file or GGUF package")
     folm.add_argument("--warmstart-only", action="store_true")
     folm.add_argument("--force-warmstart", action="store_true", help="retrain the warm start")
     folm.add_argument("--threads", type=int, default=None,

@@ -1,0 +1,117 @@
+"""The llama.cpp backend over a tiny random GGUF model (tests/gguf_model.py): the mode's grammar
+holds whatever the weights, and the AR route answers through it over real HTTP."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.artifacts.bundle import Bundle, load_bundle, verify_bundle
+from service.fanout.candidates import Candidates
+from service.fanout.format import PromptBuilder, parse_fanout, prompt_context, prompt_query
+from service.fanout.instruction import MAX_QUESTION_CHARS, MULTIQUERY_LINES, grammar
+from service.runtime.encoder import Encoder
+from service.runtime.llama_backend import LlamaConfig, LlamaCppFanoutBackend
+from tests.gguf_model import write_tiny_gguf
+from tests.service.conftest import live_server, make_settings
+from training.stage1_fanout.gguf import commit_llm
+
+K, CONTEXT = 10, 16
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def llm_bundle(small_bundle_dir: Path, tiny_gguf: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small catalog with the tiny GGUF as its AR policy (names mode, 16 hybrid names)."""
+    target = tmp_path_factory.mktemp("llm") / "llm"
+    shutil.copytree(small_bundle_dir, target)
+    commit_llm(target, tiny_gguf, LlamaConfig(mode="names", k=K, context=CONTEXT))
+    return target
+
+
+@pytest.fixture(scope="module")
+def prompts(llm_bundle: Path, benchmark_queries) -> list[str]:
+    bundle: Bundle = load_bundle(llm_bundle)
+    texts = [q.query for q in benchmark_queries[:3]]
+    queries = Encoder(bundle.encoder_config).encode(texts)  # (3, d)
+    builder = PromptBuilder(Candidates.of(bundle, "hybrid"), bundle.items.texts, CONTEXT)
+    return builder.prompts(texts, queries)
+
+
+def backend(gguf: Path, mode: str) -> LlamaCppFanoutBackend:
+    """Random weights write byte-level junk: a budget that holds k lines of it."""
+    config = LlamaConfig(mode=mode, k=K, context=CONTEXT, max_new_tokens=K * MAX_QUESTION_CHARS * 2,
+                         n_ctx=4096)
+    return LlamaCppFanoutBackend(gguf, config, threads=1)
+
+
+def test_names_mode_writes_k_of_the_prompts_own_names(tiny_gguf, prompts):
+    llm = backend(tiny_gguf, "names")
+    generations = llm.generate(prompts)
+    llm.close()
+    assert len(generations) == len(prompts)
+    for prompt, generation in zip(prompts, generations, strict=True):
+        lines = generation.text.strip("\n").split("\n")
+        names = set(prompt_context(prompt))
+        assert len(names) >= K
+        assert len(lines) == K and set(lines) <= names
+        assert generation.n_tokens > 0
+
+
+def test_free_and_multiquery_modes_write_their_line_counts(tiny_gguf, prompts):
+    for mode, lines in (("free", K), ("multiquery", MULTIQUERY_LINES)):
+        llm = backend(tiny_gguf, mode)
+        for generation in llm.generate(prompts[:2]):
+            parsed = parse_fanout(generation.text, lines)
+            assert parsed.n_lines == lines
+            assert all(0 < len(s) <= MAX_QUESTION_CHARS for s in parsed.subqueries)
+        llm.close()
+
+
+def test_greedy_decoding_repeats_itself(tiny_gguf, prompts):
+    llm = backend(tiny_gguf, "names")
+    first, again = llm.generate(prompts[:1]), llm.generate(prompts[:1])
+    llm.close()
+    assert first[0].text == again[0].text
+
+
+def test_grammar_escapes_names_and_counts_lines():
+    text = grammar("names", ['say "hi"', "back\\slash", "say \"hi\""], 3)
+    assert text.count('line "\\n"') == 2
+    assert '"say \\"hi\\""' in text and '"back\\\\slash"' in text
+    assert text.count("say") == 1  # a repeated name is one alternative
+    assert "[^\\n" in grammar("names", [], 3)  # no names: free lines
+
+
+def test_prompt_query_reads_the_first_line(prompts, benchmark_queries):
+    assert prompt_query(prompts[0]) == " ".join(benchmark_queries[0].query.split())
+
+
+def test_bundle_records_the_gguf_stage(llm_bundle, tiny_gguf):
+    manifest = verify_bundle(llm_bundle)
+    record = manifest["stages"]["llm"]
+    assert record["files"] == ["llm/llm.json", "llm/model.gguf"]
+    assert (llm_bundle / "llm" / "model.gguf").read_bytes() == tiny_gguf.read_bytes()
+
+
+def test_ar_route_answers_through_llama_cpp(llm_bundle):
+    settings = make_settings(llm_bundle, None, routes="ar=1", warmup_queries=1)
+    with live_server(settings) as server, server.client() as client:
+        info = client.get("/v1/info").json()
+        answer = client.post("/v1/retrieve", json={"query": "tree", "k": K, "route": "ar"})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["route"] == "ar" and not body["fallback"]["used"]
+    assert len({item["id"] for item in body["items"]}) == K
+    assert body["timings_ms"]["decode"] > 0
+    assert 0 < len(body["subqueries"]) <= K
+    assert info["served"]["paths"]["ar"]["backend"] == "llama.cpp"
+    assert np.isfinite(body["groundedness"])
