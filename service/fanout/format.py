@@ -35,7 +35,7 @@ class Generation:
     """One fan-out completion as a backend returns it."""
 
     text: str  # the completion, special tokens removed
-    n_tokens: int  # tokens generated, <eos> included when produced (0 when unknown)
+    n_tokens: int  # tokens generated (ONNX: <eos> included when produced; 0 when unknown)
 
 
 def build_prompt(query: str, context: Sequence[str] = ()) -> str:

@@ -5,8 +5,8 @@ its answer exactly the lines the AR path parses (llama.cpp enforces it while dec
 Modes:
 - "names": choose k of the prompt's catalog names (the project's 24 hybrid candidates);
 - "free": write k kinds of the query from what the model knows (no catalog names);
-- "multiquery": LangChain MultiQueryRetriever's prompt, verbatim: alternative phrasings whose
-  nearest items are unioned (the peers' baseline).
+- "multiquery": LangChain MultiQueryRetriever's prompt (DEFAULT_QUERY_PROMPT, whitespace
+  normalised): alternative phrasings whose nearest items are unioned (the peers' baseline).
 The examples are no benchmark query; their answers are written by hand, not from any label.
 """
 
@@ -51,7 +51,7 @@ MULTIQUERY_TASK = (
     "You are an AI language model assistant. Your task is to generate {k} different versions of "
     "the given user question to retrieve relevant documents from a vector database. By "
     "generating multiple perspectives on the user question, your goal is to help the user "
-    "overcome some of the limitations of the distance-based similarity search. Provide these "
+    "overcome some of the limitations of distance-based similarity search. Provide these "
     "alternative questions separated by newlines. Original question: {query}"
 )
 
@@ -94,7 +94,7 @@ def transcript(mode: str, query: str, names: Sequence[str], k: int) -> str:
 def gbnf_literal(text: str) -> str:
     """`text` as a GBNF string literal."""
     escaped = text.replace("\\", "\\\\").replace('"', '\\"')
-    return '"' + escaped.replace("\n", " ") + '"'
+    return '"' + escaped.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t") + '"'
 
 
 def grammar(mode: str, names: Sequence[str], k: int) -> str:
@@ -107,5 +107,5 @@ def grammar(mode: str, names: Sequence[str], k: int) -> str:
     else:  # a name: no sentence punctuation; a question: any text; neither a special token
         chars = MAX_QUESTION_CHARS if mode == "multiquery" else MAX_NAME_CHARS
         rest = "[^\\n\\r<>]" if mode == "multiquery" else "[^\\n\\r<>.:;!?()]"
-        line = f'[^\\n\\r<> ] {rest}{{0,{chars - 1}}}'
+        line = f'[^\\n\\r\\t<> ] {rest}{{0,{chars - 1}}}'
     return "root ::= " + " ".join(['line "\\n"'] * (n - 1) + ["line"]) + f"\nline ::= {line}\n"

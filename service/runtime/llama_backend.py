@@ -2,8 +2,10 @@
 llama.cpp (llama-cpp-python), loaded from a bundle's `llm/` folder (`model.gguf`, `llm.json`).
 
 The backend reads the project's prompt (query and catalog line, service.fanout.format), turns it
-into the mode's chat (service.fanout.instruction) and decodes under the mode's GBNF grammar, so
-every answer is the k lines the path parses. llama.cpp decodes one sequence at a time: a batch is
+into the mode's chat (service.fanout.instruction), rendered by the GGUF's chat template or as a
+plain few-shot transcript, and decodes under the mode's GBNF grammar, so every answer is the
+lines the path parses; in names mode one line at a time among the names not yet written, so its
+k names are distinct. llama.cpp decodes one sequence at a time: a batch is
 a loop, its cost linear in the batch (what Figure 5's AR curve measures). Greedy by default.
 """
 
@@ -16,13 +18,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from service.errors import BundleError
+from service.errors import BundleError, UnavailableError
 from service.fanout import instruction
 from service.fanout.format import Generation, prompt_context, prompt_query
 
 LLM_DIR = "llm"
 GGUF_FILE = "model.gguf"
 LLM_CONFIG = "llm.json"
+PROMPTINGS = ("auto", "chat", "text")
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,18 @@ class LlamaConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        bad = []
         if self.mode not in instruction.LLM_MODES:
-            raise BundleError(f"unknown LLM mode {self.mode!r}; use one of "
-                              f"{instruction.LLM_MODES}")
+            bad.append(f"unknown mode {self.mode!r}; use one of {instruction.LLM_MODES}")
+        if self.prompting not in PROMPTINGS:
+            bad.append(f"unknown prompting {self.prompting!r}; use one of {PROMPTINGS}")
+        if self.k < 1 or self.max_new_tokens < 1:
+            bad.append("k and max_new_tokens must be at least 1")
+        if self.mode == "names" and self.context < self.k:
+            bad.append(f"names mode chooses k={self.k} among the prompt's names: it needs "
+                       f"context ≥ k (got {self.context})")
+        if bad:
+            raise BundleError("llm policy: " + "; ".join(bad))
 
     @property
     def lines(self) -> int:
@@ -79,43 +91,100 @@ class LlamaCppFanoutBackend:
         self.config, self.model_path = config, model_path
         self.threads = threads or max(1, len(os.sched_getaffinity(0)))
         self._grammar = LlamaGrammar
-        self._lock = threading.Lock()  # one llama context: one decode at a time
+        self._lock = threading.Lock()  # one llama context: one decode at a time, then close
+        self._closed = False
+        # swa_full: a sliding-window model (Gemma 3) keeps every cell, so the prompt prefix
+        # llama-cpp-python reuses from the previous query is whole
         self.llm = Llama(model_path=str(model_path), n_ctx=config.n_ctx, n_threads=self.threads,
-                         n_threads_batch=self.threads, seed=config.seed, verbose=False)
-        self._free = self._compile([]) if config.mode != "names" else None
+                         n_threads_batch=self.threads, seed=config.seed, swa_full=True,
+                         verbose=False)
+        self._free = self._compile(config.mode, [], config.k)  # free lines of the mode
         has_template = "tokenizer.chat_template" in self.llm.metadata
         self.prompting = config.prompting if config.prompting != "auto" else \
             ("chat" if has_template else "text")
 
-    def _compile(self, names: list[str]) -> Any:
-        text = instruction.grammar(self.config.mode, names, self.config.k)
+    def _compile(self, mode: str, names: list[str], lines: int) -> Any:
+        """The grammar of `lines` lines in `mode`, parsed once here: llama-cpp-python parses it
+        only when sampling and would add a failed parse to its sampler chain unchecked."""
+        import llama_cpp
+
+        text = instruction.grammar(mode, names, lines)
+        parsed = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, text.encode(),
+                                                      b"root")
+        if not parsed:
+            raise UnavailableError(f"llama.cpp refused the fan-out grammar: {text[:200]!r}")
+        llama_cpp.llama_sampler_free(parsed)
         return self._grammar.from_string(text, verbose=False)
 
     def generate(self, prompts: list[str]) -> list[Generation]:
         with self._lock:
+            if self._closed:
+                raise UnavailableError("the llama.cpp backend is closed (reload or shutdown)")
             return [self._one(prompt) for prompt in prompts]
+
+    def _head(self, query: str, names: list[str]) -> str:
+        """The text the answer continues: the chat rendered by the GGUF's template, or the
+        plain transcript."""
+        chat = instruction.messages(self.config.mode, query, names, self.config.k)
+        if self.prompting == "text":
+            return instruction.transcript(self.config.mode, query, names, self.config.k)
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        meta = self.llm.metadata
+        vocab = self.llm._model
+        formatter = Jinja2ChatFormatter(meta["tokenizer.chat_template"],
+                                        vocab.token_get_text(vocab.token_eos()),
+                                        vocab.token_get_text(vocab.token_bos()))
+        return formatter(messages=chat).prompt
 
     def _one(self, prompt: str) -> Generation:
         c = self.config
         names = prompt_context(prompt) if c.mode == "names" else []
-        query = prompt_query(prompt)
-        options = {"grammar": self._free or self._compile(names), "temperature": c.temperature,
-                   "max_tokens": c.max_new_tokens, "seed": c.seed,
-                   "repeat_penalty": c.repeat_penalty}
-        if self.prompting == "chat":
-            out = self.llm.create_chat_completion(
-                messages=instruction.messages(c.mode, query, names, c.k), **options)
-            text = out["choices"][0]["message"]["content"] or ""
-        else:
-            out = self.llm.create_completion(instruction.transcript(c.mode, query, names, c.k),
-                                             **options)
-            text = out["choices"][0]["text"]
-        return Generation(text, int(out.get("usage", {}).get("completion_tokens", 0)))
+        head = self._head(prompt_query(prompt), names)
+        if c.mode == "names" and names:
+            return self._distinct_names(head, names)
+        out = self._complete(head, self._free, c.max_new_tokens)
+        return Generation(out["choices"][0]["text"], _tokens(out))
+
+    def _distinct_names(self, head: str, names: list[str]) -> Generation:
+        """k lines, each one of the names not yet written: one completion per line, the
+        previous lines in its prompt (llama.cpp reuses the cached prefix), so the model
+        chooses k distinct names and cannot loop on one."""
+        left = list(dict.fromkeys(" ".join(n.split()) for n in names if n.strip()))
+        lines: list[str] = []
+        budget = self.config.max_new_tokens
+        while len(lines) < self.config.k and left and budget > 0:
+            prefix = head + "".join(f"{line}\n" for line in lines)
+            out = self._complete(prefix, self._compile("names", left, 1), budget)
+            budget -= _tokens(out)
+            line = out["choices"][0]["text"].strip()
+            if line not in left:  # cut by the budget
+                break
+            lines.append(line)
+            left.remove(line)
+        spent = self.config.max_new_tokens - budget
+        return Generation("\n".join(lines), spent)
+
+    def _complete(self, text: str, grammar: Any, max_tokens: int) -> dict[str, Any]:
+        c = self.config
+        return self.llm.create_completion(text, grammar=grammar, temperature=c.temperature,
+                                          max_tokens=max_tokens, seed=c.seed,
+                                          repeat_penalty=c.repeat_penalty)
 
     def describe(self) -> dict[str, Any]:
+        recorded = {key: value for key, value in asdict(self.config).items()
+                    if key not in ("k", "context", "candidates")}  # the path reports those
         return {"backend": self.name, "providers": [f"llama.cpp:{self.threads}threads"],
-                "model": self.model_path.name, **asdict(self.config),
-                "prompting": self.prompting}
+                "model": self.model_path.name, **recorded, "prompting": self.prompting}
 
     def close(self) -> None:
-        self.llm.close()
+        """Frees the model after the decode in progress, if any (a reload's batcher may give
+        up on a long batch and close while its worker thread still decodes)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.llm.close()
+
+
+def _tokens(out: dict[str, Any]) -> int:
+    return int(out.get("usage", {}).get("completion_tokens", 0))

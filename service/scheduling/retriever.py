@@ -1,9 +1,10 @@
 """The served state: one loaded bundle with its paths, batchers and router, swapped whole
-on reload. A bundle with only its catalog serves the `single` route; the AR route needs stage 1,
-diffusion stage 3. It answers a request by its A/B arm and falls back from diffusion to the AR
-path (or, without one, to `single`) when diffusion is unavailable, fails, or fails the quality
-gate (groundedness below the threshold); every fallback is counted by reason. A diffusion path
-too busy to answer in time refuses (429) instead: the slower AR path would not do better.
+on reload. A bundle with only its catalog serves the `single` route; the AR route needs stage 1
+(or a pretrained GGUF policy in llm/, `r4t llm`), diffusion stage 3. It answers a request by its
+A/B arm and falls back from diffusion to the AR path (or, without one, to `single`) when
+diffusion is unavailable, fails, or fails the quality gate (groundedness below the threshold);
+every fallback is counted by reason. A diffusion path too busy to answer in time refuses (429)
+instead: the slower AR path would not do better.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ log = logging.getLogger("r4t.retriever")
 SAMPLER_FILE = "diffusion/sampler.onnx"
 WARMUP_QUERIES = ("camping gear", "kitchen utensils", "musical instrument", "vehicle", "tree")
 WARMUP_DEADLINE_S = 120.0
+AR_MAX_NEW_TOKENS = 160  # an ONNX or endpoint policy's token budget unless settings give one
 
 RetrievalPath = DiffusionPath | AutoregressivePath | SinglePath
 ComponentFactory = Callable[[Path, list[str] | None, int], Any]
@@ -88,7 +90,8 @@ def _ar_backend(
         decoding = settings.ar_decoding or str(decoder.config.get("decoding", "lines"))
         names = item_names(bundle.items.texts) if decoding == "catalog" else []
         backend = OnnxFanoutBackend(
-            decoder, settings.ar_temperature, settings.ar_max_new_tokens, settings.seed,
+            decoder, settings.ar_temperature, settings.ar_max_new_tokens or AR_MAX_NEW_TOKENS,
+            settings.seed,
             decoding=decoding, catalog_names=names,
         )
         context = settings.ar_context
@@ -107,7 +110,8 @@ def _ar_backend(
             base_url=settings.openai_base_url, model=settings.openai_model, api_key=key,
             timeout_s=settings.openai_timeout_s, retries=settings.openai_retries,
             backoff_s=settings.openai_backoff_s, max_connections=settings.openai_max_connections,
-            temperature=settings.ar_temperature or 0.0, max_tokens=settings.ar_max_new_tokens,
+            temperature=settings.ar_temperature or 0.0,
+            max_tokens=settings.ar_max_new_tokens or AR_MAX_NEW_TOKENS,
         )
         return (OpenAICompletionBackend(config), settings.fanout_k, settings.ar_context or 0,
                 settings.ar_candidates or DEFAULT_SOURCE)
@@ -117,7 +121,8 @@ def _ar_backend(
 
 def _llama_backend(settings: Settings, bundle: Bundle,
                    mode: str | None = None) -> tuple[FanoutBackend, int, int, str]:
-    """The bundle's GGUF policy (llm/) in llama.cpp, prompted as its llm.json records."""
+    """The bundle's GGUF policy (llm/) in llama.cpp, prompted as its llm.json records (in
+    `mode`, when given); R4T_AR_TEMPERATURE, R4T_AR_MAX_NEW_TOKENS and R4T_SEED override it."""
     directory = bundle.path / LLM_DIR
     config = read_llm_config(directory, mode=mode, temperature=settings.ar_temperature,
                              max_new_tokens=settings.ar_max_new_tokens, seed=settings.seed)

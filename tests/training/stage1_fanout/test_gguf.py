@@ -52,8 +52,9 @@ def test_conversion_is_cached_by_the_ggufs_hash(tiny_gguf, tmp_path):
     assert weights.stat().st_mtime_ns == stamp
     (tmp_path / "copy").mkdir()
     other = write_tiny_gguf(tmp_path / "copy" / "tiny.gguf", seed=1)  # same name, new weights
-    convert_to_hf(other, tmp_path)
-    assert weights.stat().st_mtime_ns != stamp
+    converted = convert_to_hf(other, tmp_path)
+    assert converted != folder and (converted / "model.safetensors").is_file()
+    assert weights.stat().st_mtime_ns == stamp  # the first conversion stays as it was
 
 
 def test_init_accepts_a_gguf_file(tiny_gguf, tmp_path, monkeypatch):
