@@ -127,9 +127,11 @@ def evaluate_methods(args: argparse.Namespace) -> None:
 
 
 def cmd_table(args: argparse.Namespace) -> None:
-    from training.evaluation.harness import results_table
+    from training.evaluation.harness import paired_table, results_table
 
     print(results_table(args.bundle))
+    for split in ("val", "test"):
+        print(paired_table(args.bundle, split, args.paired))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,7 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "choice (exact, HNSW at three efSearch) instead")
     ev.set_defaults(func=cmd_eval)
 
-    table = sub.add_parser("table", help="print the bundle's evaluation table")
+    table = sub.add_parser("table", help="print the bundle's evaluation table",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    table.add_argument("--paired", default="diffusion", metavar="METHOD",
+                       help="and this method minus each other, paired over queries, per split")
     table.set_defaults(func=cmd_table)
 
     from service.api.server import register as register_serve
