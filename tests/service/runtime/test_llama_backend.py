@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import Bundle, load_bundle, verify_bundle
-from service.fanout.candidates import Candidates
 from service.errors import BundleError, UnavailableError
+from service.fanout.candidates import Candidates
 from service.fanout.format import (
     PromptBuilder,
     build_prompt,
-    parse_fanout,
     prompt_context,
     prompt_query,
 )
