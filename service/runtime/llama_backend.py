@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,8 @@ class LlamaCppFanoutBackend:
         self.llm = Llama(model_path=str(model_path), n_ctx=config.n_ctx, n_threads=self.threads,
                          n_threads_batch=self.threads, seed=config.seed, swa_full=True,
                          verbose=False)
+        # freed by close(), else at exit while modules still exist (Llama.__del__ runs too late)
+        self._release = weakref.finalize(self, self.llm.close)
         self._free = self._compile(config.mode, [], config.k)  # free lines of the mode
         has_template = "tokenizer.chat_template" in self.llm.metadata
         self.prompting = config.prompting if config.prompting != "auto" else \
@@ -183,7 +186,7 @@ class LlamaCppFanoutBackend:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self.llm.close()
+                self._release()
 
 
 def _tokens(out: dict[str, Any]) -> int:
