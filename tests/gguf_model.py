@@ -25,8 +25,12 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """Write the model to `path` (a .gguf file); returns it."""
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str | None = None) -> Path:
+    """Write the model to `path` (a .gguf file), with `chat_template` if given; returns it."""
     import gguf
 
     tokens, scores, types = vocabulary()
@@ -54,6 +58,8 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
+    if chat_template:
+        writer.add_chat_template(chat_template)
     writer.add_tensor("token_embd.weight", weight(len(tokens), EMBED))  # (V, D)
     for i in range(LAYERS):
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):

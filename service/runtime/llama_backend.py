@@ -128,14 +128,13 @@ class LlamaCppFanoutBackend:
     def _head(self, query: str, names: list[str]) -> str:
         """The text the answer continues: the chat rendered by the GGUF's template, or the
         plain transcript."""
-        chat = instruction.messages(self.config.mode, query, names, self.config.k)
         if self.prompting == "text":
             return instruction.transcript(self.config.mode, query, names, self.config.k)
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        meta = self.llm.metadata
+        chat = instruction.messages(self.config.mode, query, names, self.config.k)
         vocab = self.llm._model
-        formatter = Jinja2ChatFormatter(meta["tokenizer.chat_template"],
+        formatter = Jinja2ChatFormatter(self.llm.metadata["tokenizer.chat_template"],
                                         vocab.token_get_text(vocab.token_eos()),
                                         vocab.token_get_text(vocab.token_bos()))
         return formatter(messages=chat).prompt

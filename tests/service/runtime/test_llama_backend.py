@@ -26,7 +26,7 @@ from service.fanout.instruction import (
 )
 from service.runtime.encoder import Encoder
 from service.runtime.llama_backend import LlamaConfig, LlamaCppFanoutBackend
-from tests.gguf_model import write_tiny_gguf
+from tests.gguf_model import CHAT_TEMPLATE, write_tiny_gguf
 from tests.service.conftest import live_server, make_settings
 from training.stage1_fanout.gguf import commit_llm
 
@@ -110,6 +110,18 @@ def test_a_closed_backend_refuses_and_a_bad_config_is_refused(tiny_gguf, prompts
         LlamaConfig(mode="names", k=10, context=5)
     with pytest.raises(BundleError, match="unknown mode"):
         LlamaConfig(mode="poetry")
+
+
+def test_a_gguf_with_a_chat_template_is_prompted_through_it(prompts, tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "chat.gguf", chat_template=CHAT_TEMPLATE)
+    chat = LlamaCppFanoutBackend(gguf, LlamaConfig(context=CONTEXT, max_new_tokens=2000),
+                                 threads=1)
+    assert chat.prompting == "chat"
+    head = chat._head(prompt_query(prompts[0]), prompt_context(prompts[0]))
+    assert head.startswith("<s>user: ") and head.endswith("<s>assistant: ")
+    lines = chat.generate(prompts[:1])[0].text.split("\n")
+    chat.close()
+    assert len(lines) == K and set(lines) <= set(prompt_context(prompts[0]))
 
 
 def test_greedy_decoding_repeats_itself(tiny_gguf, prompts):
