@@ -26,7 +26,7 @@ from tqdm import tqdm
 from loadtest.figure import figure
 from loadtest.report import publish
 from service.api.app import settle_heap
-from service.artifacts.bundle import load_bundle
+from service.artifacts.bundle import Bundle, load_bundle
 from service.errors import R4TError
 from service.paths.answer import PathQuery, searched_s
 from service.paths.diffusion import DiffusionPath
@@ -102,9 +102,11 @@ def compute_s(clock: dict[str, float]) -> float:
 
 
 def diffusion_path(bundle_dir: Path, threads: int, encoder: Encoder | None = None,
-                   index: str | None = None) -> DiffusionPath:
-    choice = IndexChoice.parse(index or Settings(bundle=bundle_dir).index)
-    bundle = load_bundle(bundle_dir, choice)
+                   index: str | None = None, bundle: Bundle | None = None) -> DiffusionPath:
+    """The bundle's diffusion path (`bundle`: that bundle already loaded, its index built)."""
+    if bundle is None:
+        choice = IndexChoice.parse(index or Settings(bundle=bundle_dir).index)
+        bundle = load_bundle(bundle_dir, choice)
     sampler = DiffusionSampler(bundle_dir / "diffusion", threads=threads)
     return DiffusionPath(bundle, encoder or Encoder(bundle.encoder_config, threads), sampler,
                          seed=0)

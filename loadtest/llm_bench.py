@@ -48,7 +48,7 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, llm_max_batch:
     encoder = Encoder(bundle.encoder_config, threads)
     fast: dict[str, Any] = {"single": SinglePath(bundle, encoder)}
     if bundle.has(SAMPLER_FILE):
-        fast["diffusion"] = diffusion_path(bundle_dir, threads, encoder)
+        fast["diffusion"] = diffusion_path(bundle_dir, threads, encoder, bundle=bundle)
     settings = Settings(bundle=bundle_dir, threads=threads, ar_backend="llama")
     llm = llm_path(settings, bundle, encoder)
     texts = [json.loads(line)["query"] for line in

@@ -85,10 +85,13 @@ def messages(mode: str, query: str, names: Sequence[str], k: int) -> list[dict[s
 def transcript(mode: str, query: str, names: Sequence[str], k: int) -> str:
     """`messages` as one plain text for a model without a chat template (a base model
     continues the example's pattern)."""
-    turns = messages(mode, query, names, k)
-    text = "".join(f"{t['content']}\nAnswer:\n" if t["role"] == "user" else
-                   f"{t['content']}\n\n" for t in turns)
-    return text
+    return "".join(f"{t['content']}\nAnswer:\n" if t["role"] == "user" else
+                   f"{t['content']}\n\n" for t in messages(mode, query, names, k))
+
+
+def distinct_names(names: Sequence[str]) -> list[str]:
+    """The names a line may be, whitespace-normalised, each once, in order."""
+    return list(dict.fromkeys(" ".join(name.split()) for name in names if name.strip()))
 
 
 def gbnf_literal(text: str) -> str:
@@ -102,8 +105,7 @@ def grammar(mode: str, names: Sequence[str], k: int) -> str:
     text. Without names, names mode falls back to free lines."""
     n = mode_lines(mode, k)
     if mode == "names" and names:
-        unique = list(dict.fromkeys(" ".join(name.split()) for name in names if name.strip()))
-        line = " | ".join(gbnf_literal(name) for name in unique)
+        line = " | ".join(gbnf_literal(name) for name in distinct_names(names))
     else:  # a name: no sentence punctuation; a question: any text; neither a special token
         chars = MAX_QUESTION_CHARS if mode == "multiquery" else MAX_NAME_CHARS
         rest = "[^\\n\\r<>]" if mode == "multiquery" else "[^\\n\\r<>.:;!?()]"

@@ -26,6 +26,7 @@ from service.fanout.format import Generation, prompt_context, prompt_query
 LLM_DIR = "llm"
 GGUF_FILE = "model.gguf"
 LLM_CONFIG = "llm.json"
+LLM_MODEL = f"{LLM_DIR}/{GGUF_FILE}"  # where a bundle holds its GGUF policy
 PROMPTINGS = ("auto", "chat", "text")
 
 
@@ -105,18 +106,30 @@ class LlamaCppFanoutBackend:
         has_template = "tokenizer.chat_template" in self.llm.metadata
         self.prompting = config.prompting if config.prompting != "auto" else \
             ("chat" if has_template else "text")
+        self._chat = self._formatter() if self.prompting == "chat" else None
 
-    def _compile(self, mode: str, names: list[str], lines: int) -> Any:
-        """The grammar of `lines` lines in `mode`, parsed once here: llama-cpp-python parses it
-        only when sampling and would add a failed parse to its sampler chain unchecked."""
+    def _formatter(self) -> Any:
+        """The GGUF's chat template, compiled once."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        vocab = self.llm._model
+        return Jinja2ChatFormatter(self.llm.metadata["tokenizer.chat_template"],
+                                   vocab.token_get_text(vocab.token_eos()),
+                                   vocab.token_get_text(vocab.token_bos()))
+
+    def _compile(self, mode: str, names: list[str], lines: int, check: bool = True) -> Any:
+        """The grammar of `lines` lines in `mode`, parsed here when `check`: llama-cpp-python
+        parses it only when sampling and would add a failed parse to its sampler chain
+        unchecked. A grammar over a subset of names already checked needs no second check."""
         import llama_cpp
 
         text = instruction.grammar(mode, names, lines)
-        parsed = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, text.encode(),
-                                                      b"root")
-        if not parsed:
-            raise UnavailableError(f"llama.cpp refused the fan-out grammar: {text[:200]!r}")
-        llama_cpp.llama_sampler_free(parsed)
+        if check:
+            parsed = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, text.encode(),
+                                                          b"root")
+            if not parsed:
+                raise UnavailableError(f"llama.cpp refused the fan-out grammar: {text[:200]!r}")
+            llama_cpp.llama_sampler_free(parsed)
         return self._grammar.from_string(text, verbose=False)
 
     def generate(self, prompts: list[str]) -> list[Generation]:
@@ -128,16 +141,10 @@ class LlamaCppFanoutBackend:
     def _head(self, query: str, names: list[str]) -> str:
         """The text the answer continues: the chat rendered by the GGUF's template, or the
         plain transcript."""
-        if self.prompting == "text":
+        if self._chat is None:
             return instruction.transcript(self.config.mode, query, names, self.config.k)
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
         chat = instruction.messages(self.config.mode, query, names, self.config.k)
-        vocab = self.llm._model
-        formatter = Jinja2ChatFormatter(self.llm.metadata["tokenizer.chat_template"],
-                                        vocab.token_get_text(vocab.token_eos()),
-                                        vocab.token_get_text(vocab.token_bos()))
-        return formatter(messages=chat).prompt
+        return self._chat(messages=chat).prompt
 
     def _one(self, prompt: str) -> Generation:
         c = self.config
@@ -152,12 +159,13 @@ class LlamaCppFanoutBackend:
         """k lines, each one of the names not yet written: one completion per line, the
         previous lines in its prompt (llama.cpp reuses the cached prefix), so the model
         chooses k distinct names and cannot loop on one."""
-        left = list(dict.fromkeys(" ".join(n.split()) for n in names if n.strip()))
+        left = instruction.distinct_names(names)
         lines: list[str] = []
         budget = self.config.max_new_tokens
         while len(lines) < self.config.k and left and budget > 0:
             prefix = head + "".join(f"{line}\n" for line in lines)
-            out = self._complete(prefix, self._compile("names", left, 1), budget)
+            grammar = self._compile("names", left, 1, check=not lines)  # the first: all names
+            out = self._complete(prefix, grammar, budget)
             budget -= _tokens(out)
             line = out["choices"][0]["text"].strip()
             if line not in left:  # cut by the budget

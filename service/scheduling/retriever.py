@@ -39,8 +39,8 @@ from service.runtime.faults import FaultySampler
 from service.runtime.filters import metadata_fields, where_of
 from service.runtime.index import IndexChoice, set_threads
 from service.runtime.llama_backend import (
-    GGUF_FILE,
     LLM_DIR,
+    LLM_MODEL,
     LlamaCppFanoutBackend,
     read_llm_config,
 )
@@ -102,7 +102,7 @@ def _ar_backend(
                               "(R4T_AR_CONTEXT > 0)")
         source = settings.ar_candidates or str(decoder.config.get("candidates", DEFAULT_SOURCE))
         return backend, int(decoder.config.get("k", settings.fanout_k)), context, source
-    if choice == "llama" or (choice == "auto" and bundle.has(f"{LLM_DIR}/{GGUF_FILE}")):
+    if choice == "llama" or (choice == "auto" and bundle.has(LLM_MODEL)):
         return _llama_backend(settings, bundle)
     if settings.openai_base_url:
         key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
@@ -115,7 +115,7 @@ def _ar_backend(
         )
         return (OpenAICompletionBackend(config), settings.fanout_k, settings.ar_context or 0,
                 settings.ar_candidates or DEFAULT_SOURCE)
-    raise BundleError(f"bundle has no {folder}/model.onnx, no {LLM_DIR}/{GGUF_FILE} and "
+    raise BundleError(f"bundle has no {folder}/model.onnx, no {LLM_MODEL} and "
                       "R4T_OPENAI_BASE_URL is not set")
 
 
@@ -123,11 +123,11 @@ def _llama_backend(settings: Settings, bundle: Bundle,
                    mode: str | None = None) -> tuple[FanoutBackend, int, int, str]:
     """The bundle's GGUF policy (llm/) in llama.cpp, prompted as its llm.json records (in
     `mode`, when given); R4T_AR_TEMPERATURE, R4T_AR_MAX_NEW_TOKENS and R4T_SEED override it."""
-    directory = bundle.path / LLM_DIR
-    config = read_llm_config(directory, mode=mode, temperature=settings.ar_temperature,
+    config = read_llm_config(bundle.path / LLM_DIR, mode=mode,
+                             temperature=settings.ar_temperature,
                              max_new_tokens=settings.ar_max_new_tokens, seed=settings.seed)
     context = config.context if config.mode == "names" else 0
-    backend = LlamaCppFanoutBackend(directory / GGUF_FILE, config, settings.threads)
+    backend = LlamaCppFanoutBackend(bundle.path / LLM_MODEL, config, settings.threads)
     return backend, config.lines, context, config.candidates
 
 

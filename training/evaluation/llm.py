@@ -15,7 +15,7 @@ from functools import partial
 
 from service.artifacts.bundle import Bundle
 from service.runtime.encoder import Encoder
-from service.runtime.llama_backend import GGUF_FILE, LLM_DIR
+from service.runtime.llama_backend import LLM_MODEL
 from service.scheduling.retriever import llm_path
 from service.settings import Settings
 from training.evaluation.baselines import Method, path_method
@@ -30,7 +30,7 @@ def llm_method(bundle: Bundle, mode: str, k: int = 10, threads: int = 0) -> Meth
 
 
 def has_llm(bundle: Bundle) -> bool:
-    return bundle.has(f"{LLM_DIR}/{GGUF_FILE}")
+    return bundle.has(LLM_MODEL)
 
 
 LLM_METHODS: dict[str, Callable[..., Method]] = {

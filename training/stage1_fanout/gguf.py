@@ -27,6 +27,7 @@ from service.runtime.llama_backend import (
     GGUF_FILE,
     LLM_CONFIG,
     LLM_DIR,
+    LLM_MODEL,
     PROMPTINGS,
     LlamaConfig,
 )
@@ -113,7 +114,7 @@ def commit_llm(bundle_dir: Path, source: str | Path, config: LlamaConfig) -> Pat
         (staged / LLM_DIR).mkdir()
         shutil.copyfile(gguf, staged / LLM_DIR / GGUF_FILE)
         (staged / LLM_DIR / LLM_CONFIG).write_text(json.dumps(asdict(config), indent=2) + "\n")
-    return bundle_dir / LLM_DIR / GGUF_FILE
+    return bundle_dir / LLM_MODEL
 
 
 def cmd_llm(args: argparse.Namespace) -> None:
