@@ -117,7 +117,8 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
     diffusion = diffusion_path(bundle_dir, threads)
     bundle, encoder, sampler = diffusion.bundle, diffusion.encoder, diffusion.sampler
     paths = {"diffusion": diffusion,
-             "ar": ar_path(Settings(bundle=bundle_dir, threads=threads, seed=0, ar_backend="onnx"),
+             "ar": ar_path(Settings(bundle=bundle_dir, threads=threads, seed=0, ar_backend="onnx",
+                                    fanout_cache_size=0),  # timed batches repeat
                            bundle, encoder),
              "single": SinglePath(bundle, encoder)}
     if baseline is not None or baseline_index:  # another diffusion path, in the same loop

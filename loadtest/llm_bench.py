@@ -49,7 +49,8 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, llm_max_batch:
     fast: dict[str, Any] = {"single": SinglePath(bundle, encoder)}
     if bundle.has(SAMPLER_FILE):
         fast["diffusion"] = diffusion_path(bundle_dir, threads, encoder, bundle=bundle)
-    settings = Settings(bundle=bundle_dir, threads=threads, ar_backend="llama")
+    settings = Settings(bundle=bundle_dir, threads=threads, ar_backend="llama",
+                        fanout_cache_size=0)  # timed batches repeat
     llm = llm_path(settings, bundle, encoder)
     texts = [json.loads(line)["query"] for line in
              (bundle_dir / "benchmark" / "test.jsonl").read_text().splitlines()]

@@ -22,6 +22,7 @@ LATENCY_BUCKETS = (
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+BREADTH_BUCKETS = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0)
 STAGES = ("queue", "encode", "context", "solver", "search", "decode", "postprocess")
 
 
@@ -67,6 +68,21 @@ class Metrics:
         self.filled_slots = Counter(
             "r4t_filled_slots", "AR slots filled from the query's dense neighbours.",
             ("route",), registry=r,
+        )
+        self.fanout_decisions = Counter(
+            "r4t_fanout_decisions", "route=auto requests fanned out or answered by single, by "
+            "reason.", ("fanout", "reason"), registry=r,
+        )
+        self.breadth = Histogram(
+            "r4t_query_breadth", "Breadth score of route=auto queries (the fan-out trigger's).",
+            buckets=BREADTH_BUCKETS, registry=r,
+        )
+        self.fanout_cache = Counter(
+            "r4t_fanout_cache_lookups", "AR fan-outs looked up in the expansion cache, by "
+            "result (hit rate = hit / all).", ("result",), registry=r,
+        )
+        self.fanout_cache_entries = Gauge(
+            "r4t_fanout_cache_entries", "Fan-outs held in the AR expansion cache.", registry=r
         )
         self.bundle = Info("r4t_bundle", "The bundle being served.", registry=r)
         self.reloads = Counter(

@@ -141,6 +141,12 @@ class Settings(BaseSettings):
     routes: str = Field(
         "diffusion=0.9,ar=0.1", description="A/B weights of the arms, sticky per user_id."
     )
+    fanout_threshold: float = Field(
+        2.0, description="route=auto fans a query out only when its breadth, ln(1 + catalog "
+        "texts holding every query word), reaches this; below, `single` answers it (narrow "
+        "queries want the item they name). Chosen on the mixed val split: `r4t eval "
+        "--trigger-curve` (service/scheduling/trigger.py).",
+    )
     groundedness_threshold: float = Field(
         0.3, description="Diffusion answers whose mean cos(row, nearest item it may claim: "
         "its context's, or the catalog's under a filter) is below this fall back to the AR "
@@ -182,6 +188,10 @@ class Settings(BaseSettings):
         None, description="Where the prompt's catalog names come from (service/fanout/"
         "candidates.py); None = what the fan-out model was trained with (folm.json "
         "'candidates'; 'dense' for an external endpoint).",
+    )
+    fanout_cache_size: int = Field(
+        4096, ge=0, description="Fan-outs of the AR route kept per normalised query (LRU), so "
+        "a repeated query skips the fan-out model; 0 = no cache.",
     )
     openai_base_url: str | None = Field(
         None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1."

@@ -11,6 +11,7 @@ from service.fanout.trie import DECODINGS
 from service.runtime.encoder import MATRYOSHKA_DIMS
 from service.settings import Settings
 from training.commands import positive, register_diffusion
+from training.data.query_sets import EVAL_SPLITS
 
 DEFAULT_BUNDLE = Path("models/default")
 
@@ -82,6 +83,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
         from training.evaluation.steps_curve import run_steps_curve
 
         run_steps_curve(args.bundle, args.split, args.k, args.limit, args.seeds)
+    elif args.trigger_curve:
+        from training.evaluation.trigger_curve import run_trigger_curve
+
+        run_trigger_curve(args.bundle, args.split)
     elif args.index_curve:
         from training.evaluation.index_curve import run_index_curve
 
@@ -130,7 +135,7 @@ def cmd_table(args: argparse.Namespace) -> None:
     from training.evaluation.harness import paired_table, results_table
 
     print(results_table(args.bundle))
-    for split in ("val", "test"):
+    for split in EVAL_SPLITS[1:]:
         print(paired_table(args.bundle, split, args.paired))
 
 
@@ -171,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="evaluate methods on a benchmark split")
     ev.add_argument("--method", default="all", help="a method, a comma list, or 'all'")
-    ev.add_argument("--split", default="test", choices=("train", "val", "test"))
+    ev.add_argument("--split", default="test", choices=EVAL_SPLITS,
+                    help="a broad benchmark split, or its narrow or mixed (70%% narrow) set "
+                         "(training/data/query_sets.py)")
     ev.add_argument("--k", type=int, default=10)
     ev.add_argument("--limit", type=int, default=None, help="first N queries of the split")
     ev.add_argument("--mmr-lambda", type=float, default=0.7)
@@ -190,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--index", default=None,
                     help="the index the methods search, as R4T_INDEX (default: R4T_INDEX's "
                          "value, i.e. the served one)")
+    ev.add_argument("--trigger-curve", action="store_true",
+                    help="route=auto's fan-out trigger instead: per threshold, the share of the "
+                         "split's queries fanned out and the gains and harms, from the single "
+                         "and diffusion reports on the split (use a mixed split)")
     ev.add_argument("--index-curve", action="store_true",
                     help="single and diffusion quality and search ms under each R4T_INDEX "
                          "choice (exact, HNSW at three efSearch) instead")

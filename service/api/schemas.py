@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from service.scheduling.trigger import FanoutMode
+
 MAX_QUERY_CHARS = 1000
 MAX_K = 100
 MAX_BATCH_QUERIES = 64
@@ -36,6 +38,10 @@ class RetrieveRequest(BaseModel):
     route: Route = Field(
         "auto", description="'auto' follows the A/B weights among the loaded routes; "
         "'diffusion', 'ar' or 'single' (one dense query) force one."
+    )
+    fanout: FanoutMode = Field(
+        "auto", description="With route 'auto': 'auto' fans out only a broad query (a narrow "
+        "one gets `single`), 'always' follows the A/B arm, 'never' answers with `single`."
     )
     user_id: str | None = Field(
         None, max_length=MAX_USER_ID_CHARS, description="Sticky A/B assignment key."
@@ -87,6 +93,16 @@ class Fallback(BaseModel):
     )
 
 
+class FanoutDecision(BaseModel):
+    fanout: bool = Field(description="True when the answer was fanned out (the A/B arm "
+                         "answered), False when `single` answered.")
+    reason: str = Field(description="broad | narrow (score vs threshold), always | never (the "
+                        "request's fanout), arm (the A/B arm is single), no-lexical-index.")
+    score: float | None = Field(None, description="The query's breadth: ln(1 + catalog texts "
+                                "holding every query word).")
+    threshold: float | None = Field(None, description="Breadth from which a query fans out.")
+
+
 RESPONSE_EXAMPLE = {
     "items": [
         {"id": "02934451", "text": "tent, collapsible shelter: a portable shelter",
@@ -95,6 +111,7 @@ RESPONSE_EXAMPLE = {
     "route": "diffusion",
     "arm": "diffusion",
     "fallback": {"used": False, "reason": None},
+    "fanout": {"fanout": True, "reason": "broad", "score": 4.2, "threshold": 2.0},
     "bundle": "default",
     "groundedness": 0.78,
     "notes": [],
@@ -111,6 +128,9 @@ class RetrieveResponse(BaseModel):
     route: ServedRoute = Field(description="The path that answered.")
     arm: str = Field(description="A/B arm: a route name, or 'override' when route was forced.")
     fallback: Fallback
+    fanout: FanoutDecision | None = Field(
+        None, description="route=auto: whether and why the query was fanned out; null when "
+        "the request forced a route.")
     bundle: str = Field(description="Name of the bundle that answered.")
     groundedness: float = Field(description="Mean cos of the probes to their nearest items "
                                 "among those they may claim (diffusion: its context's).")

@@ -146,6 +146,20 @@ class LexicalIndex:
         tokens = (t for w in query_words(query, self.frequent) for t in self._tokenizer.tokens(w))
         return [self.vocab[t] for t in tokens if t in self.vocab]
 
+    def breadth(self, query: str) -> int:
+        """How many texts hold every searched word of the query (0 when it has none)."""
+        ids = self.token_ids(query)
+        if not ids:
+            return 0
+        bounds = sorted((self._start[t + 1] - self._start[t], self._start[t]) for t in ids)
+        if len(bounds) == 1:
+            return bounds[0][0]
+        postings = self._bm25.scores["indices"]
+        common = postings[bounds[0][1] : bounds[0][1] + bounds[0][0]]  # rarest token's texts
+        for size, start in bounds[1:]:
+            common = common[np.isin(common, postings[start : start + size], assume_unique=True)]
+        return len(common)
+
     def search(self, queries: Sequence[str], n: int) -> list[np.ndarray]:
         """Per query, up to n catalog rows whose text shares a word with it, best BM25 first."""
         return [self._ranked(self.token_ids(query), n) for query in queries]

@@ -29,6 +29,7 @@ class PathAnswer:
     well_formed: bool = True  # False: a malformed fan-out (its probes are the usable lines)
     subqueries: list[str] = field(default_factory=list)  # AR: the usable fan-out lines
     tokens: int = 0  # AR: tokens the fan-out model generated for this query
+    cached: bool = False  # AR: the fan-out came from the expansion cache
 
 
 class StageClock:

@@ -2,7 +2,8 @@
 context) → the fan-out model (ONNX decoder with a KV cache, or an OpenAI-compatible endpoint) →
 parse sub-queries → encode → k distinct items claimed by the sub-queries. A malformed fan-out
 still yields k items: missing slots come from the query's dense neighbours, and the answer
-says so."""
+says so. A query seen before takes its fan-out from the expansion cache (LRU, per normalised
+query) instead of the model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.errors import BundleError
+from service.fanout.cache import FanoutCache
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.format import Generation, PromptBuilder, parse_fanout
 from service.fanout.grounding import NameGrounding
@@ -82,9 +84,10 @@ class AutoregressivePath:
 
     def __init__(
         self, bundle: Bundle, encoder: Encoder, backend: FanoutBackend, fanout_k: int,
-        context: int = 0, candidates: str = DEFAULT_SOURCE,
+        context: int = 0, candidates: str = DEFAULT_SOURCE, cache_size: int = 0,
     ) -> None:
         self.bundle, self.encoder, self.backend, self.fanout_k = bundle, encoder, backend, fanout_k
+        self.cache = FanoutCache(cache_size)
         self.prompt_builder = PromptBuilder(Candidates.of(bundle, candidates), bundle.items.texts,
                                             context)
         self.grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
@@ -96,6 +99,7 @@ class AutoregressivePath:
     def describe(self) -> dict[str, Any]:
         return {"fanout_k": self.fanout_k, "context": self.prompt_builder.n,
                 "candidates": self.prompt_builder.candidates.source,
+                "cache_size": self.cache.size,
                 **self.backend.describe()}
 
     def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
@@ -103,12 +107,7 @@ class AutoregressivePath:
         texts = [q.text for q in batch]
         queries = self.encoder.encode(texts)  # (B, d)
         clock.lap("encode")
-        prompts = self.prompt_builder.prompts(texts, queries)
-        clock.lap("context")
-        generations = self.backend.generate(prompts)
-        if len(generations) != len(batch):
-            raise RuntimeError(f"{len(generations)} completions for {len(batch)} queries")
-        clock.lap("decode")
+        generations, cached = self._fanouts(texts, queries, clock)
         parsed = [parse_fanout(g.text, self.fanout_k) for g in generations]
         subs = [[s for s, ok in zip(p.subqueries, p.valid, strict=True) if ok] for p in parsed]
         flat = [s for group in subs for s in group]
@@ -124,16 +123,38 @@ class AutoregressivePath:
                                              [q.where for q in batch])
         clock.lap("search")
         answers = []
-        for p, group, found, generation, selection, g in zip(
-                parsed, subs, probes, generations, selections, grounded.tolist(), strict=True):
+        for p, group, found, generation, hit, selection, g in zip(
+                parsed, subs, probes, generations, cached, selections, grounded.tolist(),
+                strict=True):
             notes = []
             if not p.well_formed:
                 notes.append(f"malformed fan-out: {len(group)} of {self.fanout_k} sub-queries "
                              "usable")
             if selection.filled:
                 notes.append(f"{selection.filled} slots filled from the query's dense neighbours")
+            if hit:
+                notes.append("fan-out from the expansion cache")
             answers.append(PathAnswer(selection, g, found, notes=notes,
                                       well_formed=p.well_formed, subqueries=group,
-                                      tokens=generation.n_tokens))
+                                      tokens=0 if hit else generation.n_tokens, cached=hit))
         clock.lap("postprocess")
         return stamp(answers, clock)
+
+    def _fanouts(self, texts: list[str], queries: np.ndarray,
+                 clock: StageClock) -> tuple[list[Generation], list[bool]]:
+        """Each query's fan-out, from the cache or from the model (prompted for the misses
+        only), and whether it came from the cache."""
+        found = self.cache.get_many(texts)
+        missing = [i for i, g in enumerate(found) if g is None]
+        if missing:
+            prompts = self.prompt_builder.prompts([texts[i] for i in missing], queries[missing])
+            clock.lap("context")
+            generated = self.backend.generate(prompts)
+            if len(generated) != len(missing):
+                raise RuntimeError(f"{len(generated)} completions for {len(missing)} queries")
+            clock.lap("decode")
+            self.cache.put_many([texts[i] for i in missing], generated)
+            for i, generation in zip(missing, generated, strict=True):
+                found[i] = generation
+        fresh = set(missing)
+        return [g for g in found if g is not None], [i not in fresh for i in range(len(texts))]

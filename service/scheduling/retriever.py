@@ -1,10 +1,11 @@
 """The served state: one loaded bundle with its paths, batchers and router, swapped whole
 on reload. A bundle with only its catalog serves the `single` route; the AR route needs stage 1
 (or a pretrained GGUF policy in llm/, `r4t llm`), diffusion stage 3. It answers a request by its
-A/B arm and falls back from diffusion to the AR path (or, without one, to `single`) when
-diffusion is unavailable, fails, or fails the quality gate (groundedness below the threshold);
-every fallback is counted by reason. A diffusion path too busy to answer in time refuses (429)
-instead: the slower AR path would not do better.
+A/B arm (a narrow query asked with route=auto goes to `single` instead: the fan-out trigger,
+service/scheduling/trigger.py) and falls back from diffusion to the AR path (or, without one, to
+`single`) when diffusion is unavailable, fails, or fails the quality gate (groundedness below
+the threshold); every fallback is counted by reason. A diffusion path too busy to answer in
+time refuses (429) instead: the slower AR path would not do better.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.api.schemas import Fallback, Item, RetrieveRequest, RetrieveResponse
+from service.api.schemas import (
+    Fallback,
+    FanoutDecision,
+    Item,
+    RetrieveRequest,
+    RetrieveResponse,
+)
 from service.artifacts.bundle import Bundle, load_bundle
 from service.errors import (
     BundleError,
@@ -46,7 +53,8 @@ from service.runtime.llama_backend import (
 )
 from service.runtime.openai_backend import OpenAICompletionBackend, OpenAIConfig
 from service.scheduling.batching import Batcher, Completed, describe
-from service.scheduling.routing import ROUTE_ORDER, Router
+from service.scheduling.routing import ROUTE_ORDER, Assignment, Router
+from service.scheduling.trigger import Decision, FanoutTrigger
 from service.settings import Settings
 
 log = logging.getLogger("r4t.retriever")
@@ -138,7 +146,8 @@ def ar_path(
     """The AR route as `settings` configure it, over the fan-out model in `folder`."""
     backend, fanout_k, context, source = _ar_backend(settings, bundle, loaders or Loaders(),
                                                      folder)
-    return AutoregressivePath(bundle, encoder, backend, fanout_k, context, source)
+    return AutoregressivePath(bundle, encoder, backend, fanout_k, context, source,
+                              settings.fanout_cache_size)
 
 
 def llm_path(settings: Settings, bundle: Bundle, encoder: Encoder,
@@ -146,7 +155,8 @@ def llm_path(settings: Settings, bundle: Bundle, encoder: Encoder,
     """The AR route over the bundle's GGUF policy (llm/), prompted in `mode` (default: its
     llm.json's)."""
     backend, fanout_k, context, source = _llama_backend(settings, bundle, mode)
-    return AutoregressivePath(bundle, encoder, backend, fanout_k, context, source)
+    return AutoregressivePath(bundle, encoder, backend, fanout_k, context, source,
+                              settings.fanout_cache_size)
 
 
 def load_paths(
@@ -184,6 +194,7 @@ class Retriever:
         self.filter_fields = metadata_fields(bundle.items.metadata)
         self.batchers: dict[str, Batcher[PathQuery, PathAnswer]] = {}
         self.router = Router(settings.route_weights, set(paths), settings.seed)
+        self.trigger = FanoutTrigger(bundle.lexical, settings.fanout_threshold)
         self.warm = False
 
     @classmethod
@@ -219,6 +230,11 @@ class Retriever:
             answers = path(batch)
             if answers:
                 self.metrics.observe_stages(path.name, answers[0].timings_s)
+            if isinstance(path, AutoregressivePath) and path.cache.size:
+                for answer in answers:
+                    self.metrics.fanout_cache.labels(
+                        result="hit" if answer.cached else "miss").inc()
+                self.metrics.fanout_cache_entries.set(len(path.cache))
             return answers
 
         return compute
@@ -280,7 +296,8 @@ class Retriever:
             "unavailable": self.problems,
             "providers": self.providers,
             "routing": {"weights": self.router.weights, "sticky_key": "user_id",
-                        "groundedness_threshold": self.settings.groundedness_threshold},
+                        "groundedness_threshold": self.settings.groundedness_threshold,
+                        "fanout_trigger": self.trigger.describe()},
             "batching": {name: describe(b) for name, b in self.batchers.items()},
         }
 
@@ -288,9 +305,12 @@ class Retriever:
         """Answer one request by its arm, falling back from diffusion to AR when needed."""
         started = time.monotonic()
         assignment = self.router.assign(request.user_id, request.route)
+        decision = self._decide(request, assignment)
         query = PathQuery(request.query, request.k,
                           where_of(request.filter, self.filter_fields))
-        route, reason, timings = assignment.route, None, {}
+        route = assignment.route if decision is None or decision.fanout else "single"
+        reason: str | None = None
+        timings: dict[str, float] = {}
         completed: Completed[PathAnswer] | None = None
         try:
             if route == "diffusion":
@@ -311,7 +331,24 @@ class Retriever:
             self.metrics.filled_slots.labels(route=route).inc(answer.selection.filled)
         timings.update({"queue": completed.queue_s, **answer.timings_s})
         timings["total"] = time.monotonic() - started
-        return self._response(answer, route, assignment.arm, reason, timings)
+        response = self._response(answer, route, assignment.arm, reason, timings)
+        if decision is not None:
+            response.fanout = FanoutDecision(**vars(decision))
+        return response
+
+    def _decide(self, request: RetrieveRequest, assignment: Assignment) -> Decision | None:
+        """route=auto: fan out, or answer with `single`? None when the request forced a route."""
+        if request.route != "auto":
+            return None
+        if assignment.route == "single":
+            decision = Decision(fanout=False, reason="arm")
+        else:
+            decision = self.trigger.decide(request.query, request.fanout)
+        if decision.score is not None:
+            self.metrics.breadth.observe(decision.score)
+        self.metrics.fanout_decisions.labels(fanout=str(decision.fanout).lower(),
+                                             reason=decision.reason).inc()
+        return decision
 
     async def _submit(
         self, route: str, query: PathQuery, deadline: float, fallback: str | None = None

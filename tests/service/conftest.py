@@ -377,7 +377,8 @@ def server_process(bundle: Path, completion: CompletionServer, log: Path,
     port = free_port()
     environment = {**os.environ, "R4T_BUNDLE": str(bundle), "R4T_PORT": str(port),
                    "R4T_HOST": "127.0.0.1", "R4T_OPENAI_BASE_URL": completion.url,
-                   "R4T_THREADS": "1", "R4T_DRAIN_S": "0", **env}
+                   "R4T_THREADS": "1", "R4T_DRAIN_S": "0", "R4T_FANOUT_THRESHOLD": "0",
+                   **env}
     with log.open("w") as handle:
         process = subprocess.Popen([sys.executable, "-m", "training.cli", "serve"],
                                    env=environment, stdout=handle, stderr=subprocess.STDOUT)
@@ -406,6 +407,8 @@ def make_settings(bundle: Path, completion: CompletionServer | None, **overrides
         "routes": "diffusion=0.5,ar=0.5", "admin_token": ADMIN_TOKEN,
         "openai_base_url": completion.url if completion else None,
         "openai_backoff_s": 0.01, "groundedness_threshold": 0.0,
+        "fanout_threshold": 0.0,  # route=auto fans every query out unless a test sets one
+        "fanout_cache_size": 0,  # tests count the fan-out model's requests; the cache's turn it on
         # the harness's index, so served answers compare with its own; R4T_INDEX=milvus
         # serves the same catalog from the engine (tests/conftest.py loads it there)
         "index": "milvus" if ENGINE else "bundle",

@@ -3,7 +3,8 @@
 WordNet default: every noun synset with 50–2000 hyponym descendants is a broad query (its
 first lemma is the text); its reference set is its descendants, grouped by its direct
 hyponym branches. A user's benchmark is JSONL {"query": str, "groups": [[item ids], ...]}
-(groups optional). Splits are deterministic by query (80/10/10, fixed seed).
+(groups optional; "target": the one item the query names, for a narrow query's hit@1). Splits
+are deterministic by query (80/10/10, fixed seed).
 
 The hierarchy is for evaluation only: training code calls `query_texts`, never `load_split`.
 """
@@ -30,6 +31,7 @@ class BenchmarkQuery:
     query: str
     groups: list[list[str]] = field(default_factory=list)
     id: str | None = None
+    target: str | None = None  # the item a narrow query names (training.data.query_sets)
 
     @property
     def reference(self) -> set[str]:
@@ -39,6 +41,8 @@ class BenchmarkQuery:
         record = {"query": self.query, "groups": self.groups}
         if self.id is not None:
             record["id"] = self.id
+        if self.target is not None:
+            record["target"] = self.target
         return json.dumps(record)
 
 
@@ -86,7 +90,11 @@ def read_benchmark_file(path: Path, known_ids: set[str] | None = None) -> list[B
         unknown = {i for g in groups for i in g} - known_ids if known_ids is not None else set()
         if unknown:
             raise CatalogError(f"{path}:{number}: unknown item ids {sorted(unknown)[:5]}")
-        queries.append(BenchmarkQuery(query=text.strip(), groups=groups, id=record.get("id")))
+        target = record.get("target")
+        if target is not None and known_ids is not None and str(target) not in known_ids:
+            raise CatalogError(f"{path}:{number}: unknown target id {target!r}")
+        queries.append(BenchmarkQuery(query=text.strip(), groups=groups, id=record.get("id"),
+                                      target=None if target is None else str(target)))
     return queries
 
 
@@ -129,5 +137,5 @@ def training_queries(bundle_dir: Path, names: list[str], n_extra: int, seed: int
 
 
 def _from_record(record: dict) -> BenchmarkQuery:
-    groups = record.get("groups", [])
-    return BenchmarkQuery(query=record["query"], groups=groups, id=record.get("id"))
+    return BenchmarkQuery(query=record["query"], groups=record.get("groups", []),
+                          id=record.get("id"), target=record.get("target"))

@@ -59,7 +59,7 @@ def policy_path(bundle: Bundle, folder: str, threads: int, temperature: float | 
         config = json.loads((bundle.path / folder / FOLM_CONFIG).read_text())
         temperature = float(config.get("temperature", 1.0))
     settings = Settings(bundle=bundle.path, ar_backend="onnx", threads=threads, seed=seed,
-                        ar_temperature=temperature,
+                        fanout_cache_size=0, ar_temperature=temperature,
                         ar_decoding=served_decoding(bundle, decoding))
     return ar_path(settings, bundle, Encoder(bundle.encoder_config), folder=folder)
 

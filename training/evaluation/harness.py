@@ -21,7 +21,9 @@ from service.artifacts.bundle import REPORTS_DIR, Bundle
 from service.errors import InputError
 from service.fanout.reward import score_probes
 from service.runtime.encoder import Encoder
-from training.data.splits import BenchmarkQuery, load_split
+from training.data.query_sets import load_queries
+from training.data.splits import BenchmarkQuery
+from training.evaluation.auto import auto
 from training.evaluation.baselines import BASELINES, Method, MethodOutput
 from training.evaluation.diffusion import diffusion
 from training.evaluation.fanout import FANOUT_METHODS
@@ -29,6 +31,8 @@ from training.evaluation.llm import LLM_METHODS
 from training.evaluation.metrics import (
     best_coverage,
     group_hit_rate,
+    hit_at_1,
+    ndcg,
     precision,
     recall,
     set_vendi,
@@ -36,8 +40,8 @@ from training.evaluation.metrics import (
 )
 
 METRICS = (
-    "recall@5k", "hit@5k", "precision@10", "coverage@10", "reach@10", "vendi@10",
-    "alignment", "groundedness", "reward", "latency_ms_per_query",
+    "recall@5k", "hit@5k", "precision@10", "coverage@10", "hit@1", "ndcg@10", "reach@10",
+    "vendi@10", "alignment", "groundedness", "reward", "latency_ms_per_query",
 )
 BATCH = 64
 # per-query extras, averaged into the report's "diagnostics": the paper's literal Recall@5K
@@ -46,9 +50,10 @@ DIAGNOSTICS = ("distinct_subqueries", "recall@5k_union", "pool_size", "union_poo
 
 # name -> factory(bundle, k, **options) -> Method; later stages register their methods here.
 METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS, **LLM_METHODS,
-                                             "diffusion": diffusion}
+                                             "diffusion": diffusion, "auto": auto}
 PER_SEED = ("recall@5k", "coverage@10", "reward")  # per-seed means kept in the diagnostics
-PAIRED = ("coverage@10", "recall@5k")  # per-query means kept, for paired comparisons
+PAIRED = ("coverage@10", "recall@5k")  # per-query means compared in the paired tables
+PER_QUERY = (*PAIRED, "precision@10", "hit@1", "ndcg@10")  # per-query means kept
 DIAGNOSTICS_DIR = "diagnostics"  # per-report extras kept apart so reports keep their exact shape
 
 
@@ -68,6 +73,8 @@ def query_metrics(query: BenchmarkQuery, out: MethodOutput, i: int, bundle: Bund
         "items": returned,
         "precision@10": precision(returned, reference),
         "coverage@10": group_hit_rate(set(returned), query.groups),
+        "hit@1": hit_at_1(returned, query.target),
+        "ndcg@10": ndcg(returned, reference),
         "vendi@10": set_vendi(bundle.items.embeddings[out.items[i]]),
         "reach@10": float("nan") if out.candidates is None else
         best_coverage({ids[r] for r in out.candidates[i]}, query.groups),
@@ -91,7 +98,7 @@ def evaluate(
         raise InputError(f"unknown method {method!r}; available: {sorted(METHODS)}")
     if seeds < 1:
         raise InputError(f"seeds must be at least 1, got {seeds}")
-    queries = load_split(bundle.path, split)[:limit]
+    queries = load_queries(bundle.path, split)[:limit]
     encoder = encoder or Encoder(bundle.encoder_config)
     seeded = "seed" in inspect.signature(METHODS[method]).parameters
     first = options.pop("seed", 0) if seeded else 0
@@ -110,7 +117,7 @@ def evaluate(
     diagnostics["per_seed"] = {name: [_mean([r[name] for r in seed_rows]) for seed_rows in runs]
                                for name in PER_SEED}
     diagnostics["per_query"] = {name: [_mean([seed_rows[i][name] for seed_rows in runs])
-                                       for i in range(len(queries))] for name in PAIRED}
+                                       for i in range(len(queries))] for name in PER_QUERY}
     diagnostics["items"] = [row["items"] for row in runs[0]]  # the first seed's, per query
     return {"method": method, "split": split, "n_queries": len(queries), "k": k,
             "metrics": metrics, "diagnostics": diagnostics}
@@ -173,23 +180,36 @@ def results_table(bundle_dir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_query_means(bundle_dir: Path, split: str) -> dict[str, dict[str, list[float]]]:
+    """method → metric → its per-query means on `split`, from the reports' diagnostics."""
+    directory = bundle_dir / REPORTS_DIR
+    out = {}
+    for path in sorted(directory.glob("*.json")):
+        report = json.loads(path.read_text())
+        extra = directory / DIAGNOSTICS_DIR / path.name
+        if report.get("split") == split and extra.is_file():
+            out[report["method"]] = json.loads(extra.read_text()).get("per_query") or {}
+    return out
+
+
 def paired_table(bundle_dir: Path, split: str, reference: str = "diffusion") -> str:
     """Markdown: `reference` minus each other method on `split`, paired over queries (mean
-    difference ± its standard error), from the reports' per-query means."""
-    directory = bundle_dir / REPORTS_DIR / DIAGNOSTICS_DIR
-    per_query = {p.name[: -len(f"-{split}.json")]: json.loads(p.read_text()).get("per_query")
-                 for p in sorted(directory.glob(f"*-{split}.json"))}
+    difference ± its standard error), from the reports' per-query means; the columns are the
+    PER_QUERY metrics the split defines (hit@1 only where queries name an item)."""
+    per_query = per_query_means(bundle_dir, split)
     base = per_query.get(reference)
     if not base:
         return ""
+    names = [m for m in PER_QUERY if m in base and np.isfinite(np.asarray(base[m], float)).any()
+             and (m in PAIRED or "-" in split)]
     lines = [f"## {reference} minus each method on {split}, paired over queries", "",
-             "| method | " + " | ".join(f"Δ {m} ± se" for m in PAIRED) + " |",
-             "|---|" + "---:|" * len(PAIRED)]
+             "| method | " + " | ".join(f"Δ {m} ± se" for m in names) + " |",
+             "|---|" + "---:|" * len(names)]
     for method, other in per_query.items():
-        if method == reference or not other:
+        if method == reference or not all(m in other for m in names):
             continue
         cells = []
-        for name in PAIRED:
+        for name in names:
             diff = np.asarray(base[name], dtype=float) - np.asarray(other[name], dtype=float)
             diff = diff[np.isfinite(diff)]
             cells.append(f"{diff.mean():+.3f} ± {standard_error(diff):.3f}")

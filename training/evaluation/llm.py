@@ -24,7 +24,8 @@ from training.evaluation.fanout import prompt_candidates
 
 def llm_method(bundle: Bundle, mode: str, k: int = 10, threads: int = 0) -> Method:
     """The served AR route over the bundle's GGUF policy, prompted in `mode`."""
-    settings = Settings(bundle=bundle.path, ar_backend="llama", threads=threads)
+    settings = Settings(bundle=bundle.path, ar_backend="llama", threads=threads,
+                        fanout_cache_size=0)  # every query is decoded
     path = llm_path(settings, bundle, Encoder(bundle.encoder_config), mode)
     return path_method(bundle, path, k, prompt_candidates(bundle, path))
 

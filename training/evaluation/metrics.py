@@ -6,6 +6,8 @@ over the k returned items.
 - hit@5k: share of the reference groups with at least one member inside the pool;
 - precision@10: share of the returned items that are in the reference set;
 - coverage@10: share of the reference groups reached by the returned items;
+- hit@1: 1 when the first returned item is the one a narrow query names (its `target`);
+- ndcg@10: DCG of the returned list (gain 1 per reference item) over the best list's;
 - vendi@10: Vendi score of the returned items' embeddings (1 = duplicates, 10 = orthogonal);
 - reach@10: the label ceiling of the candidates a method chose its items from: the coverage@10
   of the best 10 picks among them (a diagnostic that splits a loss between candidate
@@ -37,6 +39,20 @@ def precision(returned: list[str], reference: set[str]) -> float:
     if not reference:
         return float("nan")
     return sum(1 for item in returned if item in reference) / len(returned)
+
+
+def hit_at_1(returned: list[str], target: str | None) -> float:
+    if target is None:
+        return float("nan")
+    return float(bool(returned) and returned[0] == target)
+
+
+def ndcg(returned: list[str], reference: set[str]) -> float:
+    if not reference:
+        return float("nan")
+    discounts = 1.0 / np.log2(np.arange(2, len(returned) + 2))  # (k,)
+    gains = np.array([item in reference for item in returned], dtype=np.float64)  # (k,)
+    return float(gains @ discounts / discounts[: min(len(reference), len(returned))].sum())
 
 
 def set_vendi(embeddings: np.ndarray) -> float:

@@ -17,10 +17,11 @@ import numpy as np
 from service.artifacts.bundle import REPORTS_DIR
 from service.artifacts.items import ItemStore
 from service.fanout.format import item_name
-from training.data.splits import load_split
+from training.data.query_sets import load_queries
 from training.evaluation.harness import DIAGNOSTICS_DIR
 from training.evaluation.metrics import standard_error
 from training.evaluation.steps_curve import CURVE_DIR
+from training.evaluation.trigger_curve import CURVE_DIR as TRIGGER_DIR
 
 REPORT_FILE = "report.html"
 SPLITS = ("test", "val")
@@ -136,6 +137,32 @@ def steps_figure(bundle_dir: Path) -> str | None:
     return png(fig)
 
 
+def trigger_figure(bundle_dir: Path) -> str | None:
+    """Per split: share fanned out vs the gain, harm and net of fanning out (coverage@10),
+    and the harm to hit@1 (narrow queries' exact item)."""
+    import matplotlib.pyplot as plt
+
+    curves = [json.loads(p.read_text())
+              for p in sorted((bundle_dir / REPORTS_DIR / TRIGGER_DIR).glob("*.json"))]
+    if not curves:
+        return None
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
+    for ax, curve in zip(axes[0], curves, strict=True):
+        share = [p["share_fanned_out"] for p in curve["points"]]
+        for key, style in (("gain", "g-"), ("harm", "r-"), ("net", "k-")):
+            ax.plot(share, [p["coverage@10"][key] for p in curve["points"]], style,
+                    label=f"coverage@10 {key}")
+        ax.plot(share, [p["hit@1"]["harm"] for p in curve["points"]], "r:", label="hit@1 harm")
+        served = curve["served"]
+        ax.axvline(served["share_fanned_out"], color="0.5", ls="--", label="served threshold")
+        ax.set(xlabel="share of queries fanned out", ylabel="mean per query vs single",
+               title=f"{curve['fanout']} when the trigger says so, {curve['split']}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return png(fig)
+
+
 def example_queries(coverage: dict[str, np.ndarray], n: int) -> list[int]:
     """The queries that tell the served student from one dense query most: half where
     diffusion beats single by the most, half where it loses by the most. Without both, the
@@ -155,7 +182,7 @@ def examples(bundle_dir: Path, split: str, by_method: dict[str, dict[str, Any]],
              items: ItemStore, n: int = EXAMPLES) -> str:
     """HTML tables for the example queries: the query's branches, and per method the items
     it returned, each marked with its branch."""
-    queries = load_split(bundle_dir, split)
+    queries = load_queries(bundle_dir, split)
     kept = {m: by_method[m] for m in EXAMPLE_METHODS  # whole-split reports only (no --limit)
             if m in by_method and len(by_method[m]["diagnostics"].get("items") or ()) ==
             len(queries)}
@@ -220,6 +247,14 @@ def write_html_report(bundle_dir: Path) -> Path:
                "candidates it chose from could give. A point far below the dashed line lost at "
                "selection; a point low on both axes never had the right candidates.",
                "No method reports reach@10 yet."),
+        "<h2>When to fan out</h2>",
+        figure(trigger_figure(bundle_dir),
+               "route=auto fans a query out when its breadth reaches a threshold. Left to "
+               "right, lower thresholds fan out more queries: what that gains (green) and "
+               "costs (red) against answering every query with one dense query, per query "
+               "over the whole split; the black net is their sum.",
+               "No trigger curve yet: run <code>r4t eval --trigger-curve --split "
+               "mixed-val</code>."),
         "<h2>The steps curve</h2>",
         figure(steps_figure(bundle_dir),
                "Diffusion quality and solver cost against the number of solver steps: where "

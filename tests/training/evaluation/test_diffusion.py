@@ -11,9 +11,11 @@ from service.paths.diffusion import draw_rows
 from service.paths.resolution import first_distinct_rows
 from service.runtime.encoder import Encoder
 from tests.training.stage3_diffusion.proxy_dataset import tiny_checkpoint
+from training.evaluation.auto import auto
 from training.evaluation.diffusion import diffusion
-from training.evaluation.harness import METHODS, gaps
+from training.evaluation.harness import METHODS, evaluate, gaps, write_report
 from training.evaluation.steps_curve import steps_curve
+from training.evaluation.trigger_curve import trigger_curve
 from training.stage3_diffusion.export import ExportConfig, export_diffusion
 
 
@@ -215,3 +217,43 @@ def test_seeds_average_a_sampling_method_over_its_seeds(bundle):
     assert single["diagnostics"]["seeds"] == 1
     with pytest.raises(InputError, match="seeds"):
         evaluate(bundle, "diffusion", "test", seeds=0)
+
+
+def test_auto_answers_each_query_by_the_triggers_decision(bundle):
+    from service.scheduling.trigger import FanoutTrigger
+
+    texts = ["dog", "tool", "vehicle", "golden retriever", "oak", "musical instrument"]
+    queries = Encoder(bundle.encoder_config).encode(texts)
+    alone = METHODS["single"](bundle)(texts, queries).items
+    fanned = diffusion(bundle, seed=0)(texts, queries).items
+    assert (auto(bundle, threshold=float("inf"))(texts, queries).items == alone).all()
+    assert (auto(bundle, threshold=0.0)(texts, queries).items == fanned).all()
+    scores = [FanoutTrigger(bundle.lexical, 0.0).score(t) for t in texts]
+    middle = sorted(scores)[len(scores) // 2]
+    mixed = auto(bundle, threshold=middle)(texts, queries).items
+    wide = [i for i, score in enumerate(scores) if score >= middle]
+    assert 0 < len(wide) < len(texts)
+    # the noise is drawn per batch: the fanned-out queries are diffused as a batch of their own
+    subset = diffusion(bundle, seed=0)([texts[i] for i in wide], queries[wide]).items
+    for i in range(len(texts)):
+        assert (mixed[i] == (subset[wide.index(i)] if i in wide else alone[i])).all()
+
+
+def test_trigger_curve_runs_from_no_fanout_to_all(bundle):
+    for method in ("single", "diffusion"):
+        write_report(bundle.path, evaluate(bundle, method, split="mixed-val"))
+    curve = trigger_curve(bundle.path, "mixed-val")
+    shares = [p["share_fanned_out"] for p in curve["points"]]
+    assert shares[0] == 1.0 and shares[-1] == 0.0 and shares == sorted(shares, reverse=True)
+    reports = {m: json.loads((bundle.path / "eval" / f"{m}-mixed-val.json").read_text())
+               for m in ("single", "diffusion")}
+    everything = curve["points"][0]["coverage@10"]
+    assert everything["net"] == pytest.approx(reports["diffusion"]["metrics"]["coverage@10"]
+                                              - reports["single"]["metrics"]["coverage@10"])
+    for point in curve["points"]:
+        for name in ("coverage@10", "hit@1"):
+            p = point[name]
+            assert p["gain"] >= 0 >= p["harm"] and p["net"] == pytest.approx(
+                p["gain"] + p["harm"])
+    assert curve["points"][-1]["coverage@10"] == {"gain": 0.0, "harm": 0.0, "net": 0.0}
+    assert curve["best_threshold"] in [p["threshold"] for p in curve["points"]]

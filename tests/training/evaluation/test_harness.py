@@ -7,7 +7,14 @@ from service.artifacts.bundle import load_bundle
 from training.data.splits import load_split, query_texts
 from training.evaluation.baselines import mmr_select, reward_greedy_select
 from training.evaluation.harness import METRICS, evaluate, write_report
-from training.evaluation.metrics import group_hit_rate, precision, recall, set_vendi
+from training.evaluation.metrics import (
+    group_hit_rate,
+    hit_at_1,
+    ndcg,
+    precision,
+    recall,
+    set_vendi,
+)
 
 
 def test_metric_functions_by_hand():
@@ -16,6 +23,22 @@ def test_metric_functions_by_hand():
     assert precision(["a", "x", "y", "b"], reference) == 0.5
     assert group_hit_rate({"a", "x"}, [["a", "b"], ["c"], ["d", "a"]]) == pytest.approx(2 / 3)
     assert set_vendi(np.eye(3)) == pytest.approx(3.0)
+    assert hit_at_1(["a", "b"], "a") == 1.0 and hit_at_1(["b", "a"], "a") == 0.0
+    assert np.isnan(hit_at_1(["a"], None))  # a broad query names no one item
+    assert ndcg(["x", "a"], {"a"}) == pytest.approx(1 / np.log2(3))  # one relevant, ranked 2nd
+    assert ndcg(["a", "b", "x"], {"a", "b"}) == 1.0
+    assert ndcg(["x", "y", "a"], {"a", "b", "c", "d"}) == pytest.approx(
+        0.5 / (1 + 1 / np.log2(3) + 0.5))
+
+
+def test_narrow_queries_are_scored_on_the_exact_item(small_bundle_dir):
+    bundle = load_bundle(small_bundle_dir)
+    report = evaluate(bundle, "single", split="narrow-val")
+    m = report["metrics"]
+    assert 0.3 < m["hit@1"] <= 1.0  # one dense query finds the item a narrow query names
+    per_query = report["diagnostics"]["per_query"]
+    assert len(per_query["hit@1"]) == report["n_queries"]
+    assert set(per_query["hit@1"]) <= {0.0, 1.0}
 
 
 def test_mmr_prefers_a_new_direction_over_a_near_duplicate():
@@ -118,6 +141,10 @@ def test_paired_table_is_the_mean_per_query_difference(tmp_path):
     for method, coverage in per_query.items():
         record = {"per_query": {"coverage@10": coverage, "recall@5k": [0.5, 0.5, 0.5]}}
         (directory / f"{method}-val.json").write_text(json.dumps(record))
+        (directory.parent / f"{method}-val.json").write_text(
+            json.dumps({"method": method, "split": "val"}))
+    other = {"method": "single-narrow", "split": "narrow-val"}  # not read as val's "single"
+    (directory.parent / "single-narrow-val.json").write_text(json.dumps(other))
     table = paired_table(tmp_path, "val")
     diff = np.array([0.3, 0.0, 0.3])
     se = diff.std(ddof=1) / np.sqrt(3)

@@ -1,0 +1,56 @@
+"""When to fan out: `route=auto` answers a narrow query with `single` and fans out a broad one.
+
+A narrow query ("golden retriever") wants the item it names and its close kin; ten
+complementary items only pay for a broad one ("vehicle"). The score is the query's breadth in
+the catalog: ln(1 + the number of item texts that hold every searched word of the query). A
+broad query is the genus that many items' descriptions name; a narrow one few or none. It
+reads the catalog's lexical index only (no labels, no model), in microseconds. The threshold is
+chosen where fanning out pays on the mixed val split (`r4t eval --trigger-curve`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from service.artifacts.lexical import LexicalIndex
+
+FanoutMode = Literal["auto", "always", "never"]
+FANOUT_MODES: tuple[FanoutMode, ...] = ("auto", "always", "never")
+# why a decision was taken: the score against the threshold, the request's fanout field, the
+# request's A/B arm (single: nothing to fan out), or no lexical index to score with
+REASONS = ("broad", "narrow", "always", "never", "arm", "no-lexical-index")
+
+
+@dataclass(frozen=True)
+class Decision:
+    fanout: bool
+    reason: str  # one of REASONS
+    score: float | None = None  # the query's breadth, when it was scored
+    threshold: float | None = None
+
+
+class FanoutTrigger:
+    """Scores a query's breadth and decides whether its answer should be fanned out."""
+
+    def __init__(self, lexical: LexicalIndex | None, threshold: float) -> None:
+        self.lexical, self.threshold = lexical, threshold
+
+    def score(self, text: str) -> float | None:
+        """ln(1 + texts holding every searched word), None without a lexical index."""
+        return None if self.lexical is None else math.log1p(self.lexical.breadth(text))
+
+    def decide(self, text: str, mode: FanoutMode = "auto") -> Decision:
+        if mode != "auto":
+            return Decision(fanout=mode == "always", reason=mode)
+        score = self.score(text)
+        if score is None:  # nothing to tell narrow from broad with: the A/B arm answers
+            return Decision(fanout=True, reason="no-lexical-index")
+        broad = score >= self.threshold
+        return Decision(fanout=broad, reason="broad" if broad else "narrow",
+                        score=round(score, 6), threshold=self.threshold)
+
+    def describe(self) -> dict[str, object]:
+        return {"score": "ln(1 + catalog texts holding every query word)",
+                "threshold": self.threshold, "lexical_index": self.lexical is not None}
