@@ -2,7 +2,8 @@
 
 For each batch size, seconds per batch of the diffusion path (encode → solver → search), of
 the autoregressive path (decode → encode sub-queries → search) and of one dense query
-(`single`, the floor), each the service's own path object with its own stage clock; the
+(`single`, the floor), each the service's own path object with its own stage clock; what
+route=auto's fan-out trigger adds to a batch (one decision per query) beside `single`; the
 speedup, the solver's FLOPs per query, the AR tokens generated, and this machine's measured
 fp32 matmul peak with the solver's share of it. Writes JSON, a markdown table in the style of
 the paper's Figure 5, and a PNG plot. Run alone: anything else computing on the machine skews
@@ -35,6 +36,7 @@ from service.runtime.encoder import Encoder
 from service.runtime.index import IndexChoice
 from service.runtime.sampler import DiffusionSampler
 from service.scheduling.retriever import ar_path
+from service.scheduling.trigger import FanoutTrigger
 from service.settings import Settings
 from training.commands import positive_list
 
@@ -133,11 +135,14 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
         timed_batch(path, texts[:8], k)  # warm-up
     settle_heap()  # as the service does once loaded: no full collection walks the bundles
     peak = matmul_peak_gflops()
+    trigger = FanoutTrigger(bundle.lexical, Settings(bundle=bundle_dir).fanout_threshold)
     rows = []
     for b in tqdm(batches, desc="bench", unit="batch size"):
         queries = [texts[i % len(texts)] for i in range(b)]
         clocks = {name: best_of(REPEATS, timed_batch, path, queries, k)
                   for name, path in paths.items()}
+        clocks["trigger"] = {"decide": min(_timed(lambda q=queries: [trigger.decide(t) for t in q])
+                                           for _ in range(REPEATS))}
         rows.append(_row(b, clocks, sampler.config, peak))
         if "baseline" in paths:
             rows[-1]["paired_vs_baseline"] = paired_ratio(paths["diffusion"], paths["baseline"],
@@ -179,6 +184,8 @@ def _row(b: int, clocks: dict[str, dict[str, float]], config: dict, peak: float)
         "diffusion_s": d_total, "diffusion_stages_s": d,
         "ar_s": a_total, "ar_stages_s": {key: v for key, v in a.items() if key != "tokens"},
         "single_s": s_total, "single_stages_s": single,
+        "trigger_s": clocks["trigger"]["decide"],
+        "trigger_vs_single": clocks["trigger"]["decide"] / s_total,
         "ar_tokens": int(a.get("tokens", 0)), "ar_tokens_per_query": a.get("tokens", 0.0) / b,
         "speedup": a_total / d_total, "diffusion_vs_single": d_total / s_total,
         "inputs_vs_single": (d.get("encode", 0.0) + d.get("context", 0.0)) / s_total,
@@ -209,19 +216,22 @@ def markdown(report: dict) -> str:
         "service's path objects (k distinct items), their own stage clocks",
         "- inputs / single: the diffusion path's encode and context lookup (what its denoiser "
         "reads) over the whole `single` path; bound / single: those plus the denoiser's FLOPs "
-        "at the measured matmul peak, a lower bound on this model and context here", "",
+        "at the measured matmul peak, a lower bound on this model and context here",
+        "- trigger / single: route=auto's fan-out decision for every query of the batch "
+        "(service/scheduling/trigger.py) over the whole `single` path on the same queries", "",
         "| batch | AR (s) | diffusion (s) | single (s) | speedup | diffusion / single | "
-        "inputs / single | bound / single | AR decode | AR encode+search | diff. encode | "
-        "diff. context | diff. solver | diff. search | AR tokens/query | "
+        "inputs / single | bound / single | trigger / single | AR decode | AR encode+search | "
+        "diff. encode | diff. context | diff. solver | diff. search | AR tokens/query | "
         "solver GFLOP/s (share of peak) | paper AR / diff. (s) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         a, d = r["ar_stages_s"], r["diffusion_stages_s"]
         lines.append(
             f"| {r['batch']} | {r['ar_s']:.3f} | {r['diffusion_s']:.3f} | {r['single_s']:.4f} | "
             f"{r['speedup']:.1f}x | {r['diffusion_vs_single']:.1f}x | "
-            f"{r['inputs_vs_single']:.1f}x | {r['bound_vs_single']:.1f}x | {a['decode']:.3f} | "
+            f"{r['inputs_vs_single']:.1f}x | {r['bound_vs_single']:.1f}x | "
+            f"{r['trigger_vs_single']:.3f}x | {a['decode']:.3f} | "
             f"{a['encode'] + a.get('context', 0.0) + a['search']:.3f} | {d['encode']:.3f} | "
             f"{d.get('context', 0.0):.3f} | {d['solver']:.3f} | {d['search']:.3f} | "
             f"{r['ar_tokens_per_query']:.0f} | "

@@ -147,17 +147,19 @@ class LexicalIndex:
         return [self.vocab[t] for t in tokens if t in self.vocab]
 
     def breadth(self, query: str) -> int:
-        """How many texts hold every searched word of the query (0 when it has none)."""
+        """How many texts hold every searched word of the query (0 when it has none): the
+        rarest token's texts, kept where a binary search finds them in each other token's
+        postings (sorted by row), one vectorised lookup per token."""
         ids = self.token_ids(query)
         if not ids:
             return 0
-        bounds = sorted((self._start[t + 1] - self._start[t], self._start[t]) for t in ids)
-        if len(bounds) == 1:
-            return bounds[0][0]
+        spans = sorted((self._start[t + 1] - self._start[t], self._start[t]) for t in ids)
         postings = self._bm25.scores["indices"]
-        common = postings[bounds[0][1] : bounds[0][1] + bounds[0][0]]  # rarest token's texts
-        for size, start in bounds[1:]:
-            common = common[np.isin(common, postings[start : start + size], assume_unique=True)]
+        common = postings[spans[0][1] : spans[0][1] + spans[0][0]]  # (M,) rows, rarest token
+        for size, start in spans[1:]:
+            other = postings[start : start + size]  # (N,) sorted rows
+            found = other[np.minimum(np.searchsorted(other, common), size - 1)]  # (M,)
+            common = common[found == common]
         return len(common)
 
     def search(self, queries: Sequence[str], n: int) -> list[np.ndarray]:
