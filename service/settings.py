@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.api.schemas import MAX_BATCH_QUERIES, MAX_K, MAX_QUERY_CHARS
+from service.limits import MAX_BATCH_QUERIES, MAX_K, MAX_QUERY_CHARS
 
 ROUTES = ("diffusion", "ar", "single")
 

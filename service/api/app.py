@@ -35,6 +35,7 @@ from service.api.middleware import (
     current_request_id,
 )
 from service.api.playground import install_playground
+from service.api.responses import retrieve_response
 from service.api.schemas import (
     BatchRequest,
     BatchResponse,
@@ -55,7 +56,7 @@ from service.errors import (
 from service.metrics import Metrics
 from service.runtime.index import IndexChoice
 from service.scheduling.batching import yield_to_the_loop
-from service.scheduling.retriever import Loaders, Retriever
+from service.scheduling.retriever import Loaders, Retrieval, Retriever
 from service.settings import Settings
 
 log = logging.getLogger("r4t.app")
@@ -205,8 +206,9 @@ class ServiceState:
 
     async def observed(self, query: RetrieveRequest, deadline: float) -> RetrieveResponse:
         started = time.monotonic()
+        retriever = self.ready()
         try:  # read the served retriever and submit in one loop step: a swap cannot split them
-            response = await self.ready().retrieve(query, deadline)
+            served = await retriever.retrieve(Retrieval(**query.model_dump()), deadline)
         except R4TError as exc:
             self.metrics.request_duration.labels(
                 route=getattr(exc, "route", query.route), arm=getattr(exc, "arm", "none"),
@@ -214,9 +216,9 @@ class ServiceState:
             ).observe(time.monotonic() - started)
             raise
         self.metrics.request_duration.labels(
-            route=response.route, arm=response.arm, status="200"
+            route=served.route, arm=served.arm, status="200"
         ).observe(time.monotonic() - started)
-        return response
+        return retrieve_response(served, retriever.bundle)
 
     async def start(self) -> None:
         try:

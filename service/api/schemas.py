@@ -1,7 +1,7 @@
 """Request and response bodies of the HTTP API, with the examples shown in the OpenAPI schema.
 
-The caps here are the hard limits of the schema; `Settings` may lower them per deployment
-(the handler then answers 422 with the configured limit in the message).
+The caps (service/limits.py) are the hard limits of the schema; `Settings` may lower them per
+deployment (the handler then answers 422 with the configured limit in the message).
 """
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from service.limits import (
+    MAX_BATCH_QUERIES,
+    MAX_FILTER_FIELDS,
+    MAX_K,
+    MAX_QUERY_CHARS,
+    MAX_USER_ID_CHARS,
+)
 from service.scheduling.trigger import FanoutMode
-
-MAX_QUERY_CHARS = 1000
-MAX_K = 100
-MAX_BATCH_QUERIES = 64
-MAX_USER_ID_CHARS = 200
-MAX_FILTER_FIELDS = 8
 
 Route = Literal["auto", "diffusion", "ar", "single"]
 ServedRoute = Literal["diffusion", "ar", "single"]

@@ -25,7 +25,7 @@ import numpy as np
 from service.fanout.format import prompt_context
 
 # How fan-out lines are decoded: "free" (no constraint), "lines" (exactly k non-empty lines,
-# service.runtime.decoding.line_grammar), "context" (each line one of the names in the prompt's
+# service.fanout.decoding.line_grammar), "context" (each line one of the names in the prompt's
 # catalog
 # line) or "catalog" (each line any catalog item's name).
 DECODINGS = ("free", "lines", "context", "catalog")

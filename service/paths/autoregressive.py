@@ -37,7 +37,7 @@ class FanoutBackend(Protocol):
 
 
 class OnnxFanoutBackend:
-    """The bundle's fan-out model decoded by service.runtime.decoding.FanoutDecoder.
+    """The bundle's fan-out model decoded by service.fanout.decoding.FanoutDecoder.
 
     `decoding` (service/fanout/trie.py DECODINGS): "free", "lines" (exactly k non-empty lines),
     "context" (each line a name from the prompt's catalog line) or "catalog" (any item name,

@@ -18,13 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.api.schemas import (
-    Fallback,
-    FanoutDecision,
-    Item,
-    RetrieveRequest,
-    RetrieveResponse,
-)
 from service.artifacts.bundle import Bundle, load_bundle
 from service.errors import (
     BundleError,
@@ -36,6 +29,13 @@ from service.errors import (
 )
 from service.fanout.candidates import DEFAULT_SOURCE
 from service.fanout.format import item_names
+from service.fanout.llama_backend import (
+    LLM_DIR,
+    LLM_MODEL,
+    LlamaCppFanoutBackend,
+    read_llm_config,
+)
+from service.fanout.openai_backend import OpenAICompletionBackend, OpenAIConfig
 from service.metrics import Metrics
 from service.paths.answer import PathAnswer, PathQuery
 from service.paths.autoregressive import AutoregressivePath, FanoutBackend, OnnxFanoutBackend
@@ -45,16 +45,9 @@ from service.runtime.encoder import Encoder
 from service.runtime.faults import FaultySampler
 from service.runtime.filters import metadata_fields, where_of
 from service.runtime.index import IndexChoice, set_threads
-from service.runtime.llama_backend import (
-    LLM_DIR,
-    LLM_MODEL,
-    LlamaCppFanoutBackend,
-    read_llm_config,
-)
-from service.runtime.openai_backend import OpenAICompletionBackend, OpenAIConfig
 from service.scheduling.batching import Batcher, Completed, describe
 from service.scheduling.routing import ROUTE_ORDER, Assignment, Router
-from service.scheduling.trigger import Decision, FanoutTrigger
+from service.scheduling.trigger import Decision, FanoutMode, FanoutTrigger
 from service.settings import Settings
 
 log = logging.getLogger("r4t.retriever")
@@ -65,6 +58,30 @@ WARMUP_DEADLINE_S = 120.0
 AR_MAX_NEW_TOKENS = 160  # an ONNX or endpoint policy's token budget unless settings give one
 
 RetrievalPath = DiffusionPath | AutoregressivePath | SinglePath
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """What one request asks of the retriever (the HTTP body's fields)."""
+
+    query: str
+    k: int = 10
+    route: str = "auto"  # "auto" (A/B arm and fan-out trigger) or a route name
+    user_id: str | None = None
+    filter: dict[str, Any] | None = None
+    fanout: FanoutMode = "auto"
+
+
+@dataclass
+class Served:
+    """One answered request: the path's answer and how it was reached."""
+
+    answer: PathAnswer
+    route: str  # the path that answered
+    arm: str
+    fallback: str | None  # why diffusion did not answer, None when it did or was not asked
+    decision: Decision | None  # route=auto's fan-out decision, None for a forced route
+    timings_s: dict[str, float]
 ComponentFactory = Callable[[Path, list[str] | None, int], Any]
 
 
@@ -75,7 +92,7 @@ def default_sampler(directory: Path, providers: list[str] | None, threads: int) 
 
 
 def default_decoder(directory: Path, providers: list[str] | None, threads: int) -> Any:
-    from service.runtime.decoding import FanoutDecoder  # owned by the stage-1 runtime
+    from service.fanout.decoding import FanoutDecoder  # owned by the stage-1 runtime
 
     return FanoutDecoder(directory, providers=providers, threads=threads)
 
@@ -301,7 +318,7 @@ class Retriever:
             "batching": {name: describe(b) for name, b in self.batchers.items()},
         }
 
-    async def retrieve(self, request: RetrieveRequest, deadline: float) -> RetrieveResponse:
+    async def retrieve(self, request: Retrieval, deadline: float) -> Served:
         """Answer one request by its arm, falling back from diffusion to AR when needed."""
         started = time.monotonic()
         assignment = self.router.assign(request.user_id, request.route)
@@ -331,12 +348,9 @@ class Retriever:
             self.metrics.filled_slots.labels(route=route).inc(answer.selection.filled)
         timings.update({"queue": completed.queue_s, **answer.timings_s})
         timings["total"] = time.monotonic() - started
-        response = self._response(answer, route, assignment.arm, reason, timings)
-        if decision is not None:
-            response.fanout = FanoutDecision(**vars(decision))
-        return response
+        return Served(answer, route, assignment.arm, reason, decision, timings)
 
-    def _decide(self, request: RetrieveRequest, assignment: Assignment) -> Decision | None:
+    def _decide(self, request: Retrieval, assignment: Assignment) -> Decision | None:
         """route=auto: fan out, or answer with `single`? None when the request forced a route."""
         if request.route != "auto":
             return None
@@ -379,26 +393,3 @@ class Retriever:
                 completed.result.groundedness < self.settings.groundedness_threshold:
             return None, "quality"  # under a filter, rows sit farther from the allowed items
         return completed, None
-
-    def _response(
-        self, answer: PathAnswer, route: str, arm: str, reason: str | None,
-        timings: dict[str, float],
-    ) -> RetrieveResponse:
-        items = self.bundle.items
-        selection = answer.selection
-        return RetrieveResponse(
-            items=[
-                Item(id=items.ids[row], text=items.texts[row], score=round(score, 6), slot=slot)
-                for row, score, slot in zip(
-                    selection.rows, selection.scores, selection.slots, strict=True
-                )
-            ],
-            route=route,  # type: ignore[arg-type]
-            arm=arm,
-            fallback=Fallback(used=reason is not None, reason=reason),
-            bundle=self.bundle.name,
-            groundedness=round(answer.groundedness, 6),
-            notes=answer.notes,
-            subqueries=answer.subqueries,
-            timings_ms={stage: round(s * 1000.0, 3) for stage, s in timings.items()},
-        )

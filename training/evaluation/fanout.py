@@ -20,11 +20,11 @@ from functools import partial
 import numpy as np
 
 from service.artifacts.bundle import Bundle
+from service.fanout.decoding import FOLM_CONFIG
 from service.fanout.format import parse_fanout
 from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.reward import score_probes
 from service.paths.autoregressive import AutoregressivePath
-from service.runtime.decoding import FOLM_CONFIG
 from service.runtime.encoder import Encoder
 from service.scheduling.retriever import ar_path
 from service.settings import Settings

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from functools import partial
 
 from service.artifacts.bundle import Bundle
+from service.fanout.llama_backend import LLM_MODEL
 from service.runtime.encoder import Encoder
-from service.runtime.llama_backend import LLM_MODEL
 from service.scheduling.retriever import llm_path
 from service.settings import Settings
 from training.evaluation.baselines import Method, path_method

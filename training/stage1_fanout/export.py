@@ -4,7 +4,7 @@ One graph serves the prompt pass (past length 0) and every single-token step:
 inputs `input_ids` (B,T), `attention_mask` (B,P+T), `position_ids` (B,T) int64 and per layer
 `past_key.{i}`, `past_value.{i}` (B,H_kv,P,Dh) float32; outputs `logits` (B,T,V) and
 `present_key.{i}`, `present_value.{i}` (B,H_kv,P+T,Dh). The service decodes it with ONNX
-Runtime alone (`service.runtime.decoding.FanoutDecoder`). Bundle folders: `folm/` (the GRPO policy)
+Runtime alone (`service.fanout.decoding.FanoutDecoder`). Bundle folders: `folm/` (the GRPO policy)
 and
 `folm-warmstart/` (the warm start), each with model.onnx, tokenizer.json and folm.json.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 from service.artifacts.bundle import config_hash, git_commit, read_manifest, stage
 from service.fanout.candidates import DEFAULT_SOURCE
-from service.runtime.decoding import FOLM_CONFIG, MODEL_FILE, TOKENIZER_FILE
+from service.fanout.decoding import FOLM_CONFIG, MODEL_FILE, TOKENIZER_FILE
 from training.commands import subcommand_group
 
 OPSET = 18

@@ -1,7 +1,7 @@
 """A pretrained LLM from a GGUF file or a package that ships one, in two forms:
 
 - as the bundle's `llm` stage (`llm/model.gguf` + `llm.json`): the AR route's policy, decoded by
-  llama.cpp (service.runtime.llama_backend), with `r4t llm SOURCE`;
+  llama.cpp (service.fanout.llama_backend), with `r4t llm SOURCE`;
 - as a Hugging Face checkpoint folder (dequantized by transformers' GGUF loader), converted
   once and cached, for `r4t bundle --init SOURCE` (the GRPO recipe of docs/gpu.md).
 
@@ -23,7 +23,7 @@ from service.artifacts.bundle import config_hash, read_manifest, sha256_file, st
 from service.errors import BundleError
 from service.fanout.candidates import CANDIDATE_SOURCES
 from service.fanout.instruction import LLM_MODES
-from service.runtime.llama_backend import (
+from service.fanout.llama_backend import (
     GGUF_FILE,
     LLM_CONFIG,
     LLM_DIR,

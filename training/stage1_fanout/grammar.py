@@ -1,6 +1,6 @@
 """The fan-out grammars (k non-empty lines; lines that are catalog names) as HF logits processors.
 
-The served ONNX decoder's constraint (`service.runtime.decoding.line_grammar`, the one rule both
+The served ONNX decoder's constraint (`service.fanout.decoding.line_grammar`, the one rule both
 use),
 for the torch side: GRPO's sampling (TRL's `GRPOTrainer` calls `model.generate`), the torch
 synthesis backend and the ablation's samples. No <eos> before the k-th line or on an empty line,
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from service.fanout.decoding import line_grammar, line_tables
 from service.fanout.trie import NAME_SCOPES, NameConstraint, NameTrie, RowState, name_grammar
-from service.runtime.decoding import line_grammar, line_tables
 
 
 class LineGrammar(LogitsProcessor):

@@ -37,11 +37,11 @@ import numpy as np
 from service.artifacts.bundle import Bundle, git_commit, load_bundle
 from service.errors import InputError
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
+from service.fanout.decoding import lines_regex
 from service.fanout.format import ParsedFanout, PromptBuilder, item_names, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.fanout.reward import RewardTerms, RewardWeights, score_probes
 from service.fanout.trie import NAME_SCOPES
-from service.runtime.decoding import lines_regex
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
 from training.commands import given

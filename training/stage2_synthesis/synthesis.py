@@ -15,7 +15,7 @@ queries, `--extra-samples` samples each: the student sees more distinct conditio
 738 train queries.
 
 Backends: `local` (in this process, the default: the policy exported to ONNX and decoded
-by `service.runtime.decoding.FanoutDecoder` — what the service runs, 2–5× faster than HF `generate`
+by `service.fanout.decoding.FanoutDecoder` — what the service runs, 2–5× faster than HF `generate`
 on 2 cores), `torch` (HF `generate` in this process, on the GPU if any), `http` (an
 OpenAI-compatible `/v1/completions` endpoint) and `vllm` (a vLLM server started on the policy
 for the run, the accelerator recipe's: docs/gpu.md; "lines" decoding as vLLM's regex). Each
@@ -44,11 +44,11 @@ from tqdm import tqdm
 from service.artifacts.bundle import config_hash, git_commit, load_bundle, read_manifest, stage
 from service.errors import BundleError, InputError
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
+from service.fanout.decoding import lines_regex
 from service.fanout.format import PromptBuilder, item_names, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.fanout.reward import reward_terms
 from service.fanout.trie import DECODINGS, NAME_SCOPES, NameConstraint
-from service.runtime.decoding import lines_regex
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
 from training.stage2_synthesis.server import free_port, served, vllm_command
@@ -135,7 +135,7 @@ class OnnxSampler:
 
     def __init__(self, folm_dir: Path, threads: int, decoding: str = "lines",
                  names: list[str] | None = None) -> None:
-        from service.runtime.decoding import FanoutDecoder
+        from service.fanout.decoding import FanoutDecoder
 
         self.decoder = FanoutDecoder(folm_dir, threads=threads)
         self.free = decoding == "free"

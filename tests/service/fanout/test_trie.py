@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from service.fanout.decoding import FanoutDecoder
 from service.fanout.format import build_prompt, item_name, prompt_context
 from service.fanout.trie import NameConstraint, NameTrie, RowState, name_grammar
-from service.runtime.decoding import FanoutDecoder
-from tests.service.runtime.test_decoding import TEXTS, exported  # noqa: F401 (fixture)
+from tests.service.fanout.test_decoding import TEXTS, exported  # noqa: F401 (fixture)
 
 NEWLINE, EOS, VOCAB = 3, 2, 10
 # names as token ids: "a b" (5 6), "a b c" (5 6 7), "d" (8)

@@ -1,6 +1,6 @@
 """The service over the project's real model runtimes: a tiny exported diffusion sampler
 (service.runtime.sampler) and a tiny exported fan-out LM decoded with its KV cache
-(service.runtime.decoding),
+(service.fanout.decoding),
 both committed into a bundle built in the session. Their weights are random, so the AR
 output is usually malformed: the answer must still hold k distinct items and say so."""
 
@@ -89,7 +89,7 @@ def test_info_reports_the_real_runtimes(model_server):
 def test_onnx_backend_decodes_under_the_decoding_setting(model_bundle: Path) -> None:
     from service.fanout.format import build_prompt, prompt_context
     from service.paths.autoregressive import OnnxFanoutBackend
-    from tests.service.runtime.test_decoding import BreakHappyDecoder
+    from tests.service.fanout.test_decoding import BreakHappyDecoder
 
     decoder = BreakHappyDecoder(model_bundle / "folm", threads=1)  # short fan-outs unless held
     prompts = ["query: boat\nfan-out:\n"] * 16

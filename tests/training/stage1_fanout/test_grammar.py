@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from tests.service.runtime.test_decoding import exported  # noqa: F401 (fixture)
+from tests.service.fanout.test_decoding import exported  # noqa: F401 (fixture)
 from tests.training.stage1_fanout.test_policy import make_tiny_bundle, make_tiny_policy
 from training.stage1_fanout.grammar import LineGrammar, constrain_generation
 from training.stage1_fanout.policy import load_policy

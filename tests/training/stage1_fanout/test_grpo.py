@@ -11,8 +11,8 @@ import torch
 
 from service.artifacts.bundle import load_bundle
 from service.errors import InputError
+from service.fanout.decoding import lines_regex
 from service.fanout.format import format_fanout
-from service.runtime.decoding import lines_regex
 from service.runtime.encoder import Encoder
 from tests.training.stage1_fanout.test_policy import make_tiny_bundle, make_tiny_policy
 from training.device import Device

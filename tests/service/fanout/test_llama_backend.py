@@ -24,8 +24,8 @@ from service.fanout.instruction import (
     MULTIQUERY_LINES,
     grammar,
 )
+from service.fanout.llama_backend import LlamaConfig, LlamaCppFanoutBackend
 from service.runtime.encoder import Encoder
-from service.runtime.llama_backend import LlamaConfig, LlamaCppFanoutBackend
 from tests.gguf_model import CHAT_TEMPLATE, write_tiny_gguf
 from tests.service.conftest import live_server, make_settings
 from training.stage1_fanout.gguf import commit_llm

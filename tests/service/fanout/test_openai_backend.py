@@ -6,7 +6,7 @@ import pytest
 
 from service.errors import UnavailableError
 from service.fanout.format import build_prompt, parse_fanout
-from service.runtime.openai_backend import OpenAICompletionBackend, OpenAIConfig
+from service.fanout.openai_backend import OpenAICompletionBackend, OpenAIConfig
 
 
 def backend(url: str, **kwargs) -> OpenAICompletionBackend:

@@ -11,13 +11,13 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from service.fanout.format import build_prompt
-from service.runtime.decoding import (
+from service.fanout.decoding import (
     FanoutDecoder,
     line_grammar,
     lines_regex,
     sample_categorical,
 )
+from service.fanout.format import build_prompt
 from training.stage1_fanout.export import export_folder
 from training.stage1_fanout.policy import (
     POLICY_PRESETS,
