@@ -27,6 +27,7 @@ from tqdm import tqdm
 from loadtest.figure import figure
 from loadtest.report import publish
 from service.api.app import settle_heap
+from service.arguments import positive_list
 from service.artifacts.bundle import Bundle, load_bundle
 from service.errors import R4TError
 from service.paths.answer import PathQuery, searched_s
@@ -38,7 +39,6 @@ from service.runtime.sampler import DiffusionSampler
 from service.scheduling.retriever import ar_path
 from service.scheduling.trigger import FanoutTrigger
 from service.settings import Settings
-from training.commands import positive_list
 
 BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 REPEATS = 3  # per batch size and path; the fastest run is reported

@@ -15,8 +15,8 @@ from typing import Any
 from loadtest.openloop import Load, scenario_body, summarize
 from loadtest.report import publish
 from loadtest.run import HOST, check_bundle, start_server, stop_server, wait_ready
+from service.arguments import positive_float
 from service.settings import Settings
-from training.commands import positive_float
 
 RAMP_START_RPS, RAMP_STEP, RAMP_SECONDS = 60.0, 1.5, 8.0
 LIMITS = {"max_504_share": 0.01, "max_429_p99_ms": 50.0, "max_accepted_p99_share": 0.5}

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from loadtest.figure import figure
 from loadtest.report import publish
+from service.arguments import positive_list
 from service.artifacts.bundle import load_bundle
 from service.errors import R4TError
 from service.runtime.index import (
@@ -33,7 +34,6 @@ from service.runtime.index import (
     set_threads,
 )
 from service.settings import Settings
-from training.commands import positive_list
 
 SIZES = (82_115, 500_000, 2_000_000)
 BATCHES = (1, 8, 64, 512)

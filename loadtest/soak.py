@@ -23,7 +23,7 @@ from loadtest.openloop import Load, scenario_body, summarize
 from loadtest.overload import capacity
 from loadtest.report import publish
 from loadtest.run import HOST, check_bundle, start_server, stop_server, wait_ready
-from training.commands import positive_float
+from service.arguments import positive_float
 
 LOAD_SHARE = 0.7
 MAX_RSS_GROWTH = 0.05

@@ -44,7 +44,7 @@ from loadtest.run import (
     stop_server,
     wait_ready,
 )
-from training.commands import positive, positive_list
+from service.arguments import positive, positive_list
 
 SCRIPT = Path(__file__).with_name("wrk.lua")
 PY_SPY = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:/usr/bin:/usr/local/bin")

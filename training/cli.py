@@ -6,11 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from service.arguments import positive
 from service.errors import R4TError
 from service.fanout.trie import DECODINGS
 from service.runtime.encoder import MATRYOSHKA_DIMS
 from service.settings import Settings
-from training.commands import positive, register_diffusion
+from training.commands import register_diffusion
 from training.data.query_sets import EVAL_SPLITS
 
 DEFAULT_BUNDLE = Path("models/default")

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from service.arguments import positive
 from training.device import DEVICES
 
 
@@ -30,39 +31,6 @@ def lazy(module: str, function: str) -> Callable[[argparse.Namespace], None]:
         getattr(importlib.import_module(module), function)(args)
 
     return run
-
-
-def positive(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_list(text: str) -> tuple[int, ...]:
-    """An argparse type: a comma list of integers of at least 1."""
-    try:
-        return tuple(positive(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be integers separated by commas, got {text!r}"
-                                          ) from None
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a number above 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return value
-
-
-def non_negative(text: str) -> int:
-    """An argparse type: an integer of at least 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
 
 
 def register_diffusion(sub: argparse._SubParsersAction) -> None:

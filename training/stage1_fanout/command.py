@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from service.arguments import non_negative, positive
 from service.errors import InputError
 from service.fanout.trie import DECODINGS
-from training.commands import given, non_negative, positive, subcommand_group
+from training.commands import given, subcommand_group
 from training.stage1_fanout.ablation import ablation_report
 from training.stage1_fanout.gguf import hf_checkpoint
 from training.stage1_fanout.grpo import (

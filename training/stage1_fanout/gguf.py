@@ -19,6 +19,7 @@ from dataclasses import asdict
 from importlib import import_module
 from pathlib import Path
 
+from service.arguments import positive
 from service.artifacts.bundle import config_hash, read_manifest, sha256_file, stage
 from service.errors import BundleError
 from service.fanout.candidates import CANDIDATE_SOURCES
@@ -31,7 +32,6 @@ from service.fanout.llama_backend import (
     PROMPTINGS,
     LlamaConfig,
 )
-from training.commands import positive
 
 INITS_DIR = Path("models") / "inits"  # converted checkpoints, shared by bundles
 RECORD = "gguf.json"  # in a converted folder: the GGUF it came from and its sha256

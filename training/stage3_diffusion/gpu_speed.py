@@ -3,18 +3,20 @@ of the paper's Figure 5, so its diffusion column can be set beside a named accel
 
 Random weights (speed does not depend on them): the `paper` preset (Table 3), Euler on the
 probability-flow ODE with classifier-free guidance (two denoiser passes per step), fp32 and
-bf16 autocast. Writes JSON and markdown. Needs torch with CUDA; not part of `make bench`.
+bf16 autocast. Writes JSON and markdown (loadtest/results/gpu_sampler.*, beside the served
+routes' figures). Needs torch with CUDA; not part of `make bench`:
+`python -m training.stage3_diffusion.gpu_speed`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 import torch
 
-from loadtest.report import publish
 from training.stage3_diffusion.denoiser import Denoiser, count_params, flops_per_step, preset
 from training.stage3_diffusion.solvers import euler_pf_ode
 
@@ -76,7 +78,10 @@ def main() -> None:
              "|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['fp32_s']:.3f} | {r['bf16_s']:.3f} | {r['paper_s']:.3f} |"
               for r in rows]
-    publish(args.out, "gpu_sampler", report, "\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_sampler.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "gpu_sampler.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
