@@ -87,7 +87,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     elif args.trigger_curve:
         from training.evaluation.trigger_curve import run_trigger_curve
 
-        run_trigger_curve(args.bundle, args.split)
+        fanout = "diffusion" if args.method == "all" else args.method
+        run_trigger_curve(args.bundle, args.split, fanout)
     elif args.index_curve:
         from training.evaluation.index_curve import run_index_curve
 
@@ -200,8 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "value, i.e. the served one)")
     ev.add_argument("--trigger-curve", action="store_true",
                     help="route=auto's fan-out trigger instead: per threshold, the share of the "
-                         "split's queries fanned out and the gains and harms, from the single "
-                         "and diffusion reports on the split (use a mixed split)")
+                         "split's queries fanned out and the gains and harms, from the reports "
+                         "of single and of the fan-out --method (diffusion unless one is named) "
+                         "on the split (use a mixed split)")
     ev.add_argument("--index-curve", action="store_true",
                     help="single and diffusion quality and search ms under each R4T_INDEX "
                          "choice (exact, HNSW at three efSearch) instead")

@@ -1,13 +1,14 @@
-"""`route=auto` in the evaluation harness: method `auto` is what the service does with a
-route=auto request whose A/B arm is diffusion. The fan-out trigger
+"""`route=auto` in the evaluation harness: methods `auto` and `auto-ar` are what the service
+does with a route=auto request whose A/B arm is diffusion, or AR. The fan-out trigger
 (service.scheduling.trigger.FanoutTrigger, at the served threshold unless one is given) sends a
-narrow query to the `single` path and a broad one to the diffusion path, both the service's own
-path objects.
+narrow query to the `single` path and a broad one to the fan-out path, each the service's own
+path object.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from service.artifacts.bundle import Bundle
 from service.paths.answer import PathAnswer, PathQuery
@@ -18,6 +19,7 @@ from service.scheduling.trigger import FanoutTrigger
 from service.settings import Settings
 from training.evaluation.baselines import Method, ServedPath, path_method
 from training.evaluation.diffusion import open_sampler
+from training.evaluation.fanout import policy_path
 
 
 def routed(trigger: FanoutTrigger, single: ServedPath, fanout: ServedPath) -> ServedPath:
@@ -37,10 +39,18 @@ def routed(trigger: FanoutTrigger, single: ServedPath, fanout: ServedPath) -> Se
 
 
 def auto(bundle: Bundle, k: int = 10, seed: int = 0, threads: int = 0,
-         threshold: float | None = None) -> Method:
-    """Eval factory: the trigger over `single` and the served diffusion route (noise `seed`)."""
+         threshold: float | None = None, route: str = "diffusion") -> Method:
+    """Eval factory: the trigger over `single` and the served `route` (diffusion with noise
+    `seed`, or the AR route over the bundle's policy sampling with `seed`)."""
     encoder = Encoder(bundle.encoder_config)
     trigger = FanoutTrigger(bundle.lexical, Settings().fanout_threshold if threshold is None
                             else threshold)
-    diffusion = DiffusionPath(bundle, encoder, open_sampler(bundle, threads=threads), seed)
-    return path_method(bundle, routed(trigger, SinglePath(bundle, encoder), diffusion), k)
+    if route == "diffusion":
+        fanout: ServedPath = DiffusionPath(bundle, encoder, open_sampler(bundle, threads=threads),
+                                           seed)
+    else:
+        fanout = policy_path(bundle, "folm", threads, None, seed, None)
+    return path_method(bundle, routed(trigger, SinglePath(bundle, encoder), fanout), k)
+
+
+auto_ar = partial(auto, route="ar")

@@ -63,8 +63,9 @@ def curve_point(scores: np.ndarray, delta: dict[str, np.ndarray],
 def write_trigger_curve(bundle_dir: Path, curve: dict[str, Any]) -> Path:
     directory = bundle_dir / REPORTS_DIR / CURVE_DIR
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{curve['split']}.json").write_text(json.dumps(curve, indent=2) + "\n")
-    path = directory / f"{curve['split']}.md"
+    stem = f"{curve['fanout']}-{curve['split']}"
+    (directory / f"{stem}.json").write_text(json.dumps(curve, indent=2) + "\n")
+    path = directory / f"{stem}.md"
     path.write_text(curve_table(curve))
     return path
 
@@ -91,7 +92,7 @@ def curve_table(curve: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_trigger_curve(bundle_dir: Path, split: str) -> None:
-    path = write_trigger_curve(bundle_dir, trigger_curve(bundle_dir, split))
+def run_trigger_curve(bundle_dir: Path, split: str, fanout: str = "diffusion") -> None:
+    path = write_trigger_curve(bundle_dir, trigger_curve(bundle_dir, split, fanout))
     print(path.read_text())
     print(f"wrote {path}")
