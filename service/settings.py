@@ -147,6 +147,11 @@ class Settings(BaseSettings):
         "queries want the item they name). Chosen on the mixed val split: `r4t eval "
         "--trigger-curve` (service/scheduling/trigger.py).",
     )
+    fanout_lead: int = Field(
+        1, ge=0, le=MAX_K, description="A query route=auto fans out is answered leading with "
+        "this many of its own nearest items (a narrow query judged broad still gets the item "
+        "it names first); 0 = the fan-out alone.",
+    )
     groundedness_threshold: float = Field(
         0.3, description="Diffusion answers whose mean cos(row, nearest item it may claim: "
         "its context's, or the catalog's under a filter) is below this fall back to the AR "

@@ -13,6 +13,7 @@ from service.runtime.encoder import MATRYOSHKA_DIMS
 from service.settings import Settings
 from training.commands import register_diffusion
 from training.data.query_sets import EVAL_SPLITS
+from training.pipeline import BUNDLE_PRESETS  # torch-free: it imports stages 1-3 lazily
 
 DEFAULT_BUNDLE = Path("models/default")
 
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     bundle = sub.add_parser("bundle", help="build or complete every stage of a bundle",
                             allow_abbrev=False)
     _catalog_args(bundle)
-    bundle.add_argument("--preset", default="cpu", choices=("cpu", "tiny", "gpu", "gpu-smoke"),
+    bundle.add_argument("--preset", default="cpu", choices=BUNDLE_PRESETS,
                         help="stages 1-3: every stage's cpu preset (%(default)s), tiny "
                              "(seconds), or the accelerator recipe from --init: gpu, gpu-smoke "
                              "(docs/gpu.md)")

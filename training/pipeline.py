@@ -70,7 +70,7 @@ PIPELINE = (*CATALOG_STAGES, "folm-warmstart", "folm", "synthesis", "diffusion")
 BUNDLE_PRESETS = ("cpu", "tiny", "gpu", "gpu-smoke")
 LLM_PRESETS = ("gpu", "gpu-smoke")  # the accelerator recipe (docs/gpu.md): they need an init
 RUN_KEY = "build-key.json"  # in a stage's run folder: the config and inputs it was started for
-GPU_DIFFUSION_STEPS = 200_000  # × the paper's batch of 512: ~650 passes over ~158k blocks
+GPU_DIFFUSION_STEPS = 200_000  # at the paper's batch: many passes over the synthesised blocks
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".json")  # weights, configs, tokenizer
 
 

@@ -102,6 +102,8 @@ class FanoutDecision(BaseModel):
     score: float | None = Field(None, description="The query's breadth: ln(1 + catalog texts "
                                 "holding every query word).")
     threshold: float | None = Field(None, description="Breadth from which a query fans out.")
+    lead: int = Field(0, description="The query's own nearest items the fanned-out answer "
+                      "puts first.")
 
 
 RESPONSE_EXAMPLE = {
@@ -112,7 +114,7 @@ RESPONSE_EXAMPLE = {
     "route": "diffusion",
     "arm": "diffusion",
     "fallback": {"used": False, "reason": None},
-    "fanout": {"fanout": True, "reason": "broad", "score": 4.2, "threshold": 2.0},
+    "fanout": {"fanout": True, "reason": "broad", "score": 4.2, "threshold": 2.0, "lead": 1},
     "bundle": "default",
     "groundedness": 0.78,
     "notes": [],

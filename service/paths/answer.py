@@ -17,6 +17,7 @@ class PathQuery:
     text: str
     k: int
     where: Where | None = None  # metadata filter on the returned items
+    lead: int = 0  # fan-out routes: the query's own nearest items put first (route=auto)
 
 
 @dataclass
@@ -30,6 +31,16 @@ class PathAnswer:
     subqueries: list[str] = field(default_factory=list)  # AR: the usable fan-out lines
     tokens: int = 0  # AR: tokens the fan-out model generated for this query
     cached: bool = False  # AR: the fan-out came from the expansion cache
+
+
+def selection_notes(selection: Selection) -> list[str]:
+    """What an answer says of its items that no probe claimed."""
+    notes = []
+    if selection.led:
+        notes.append(f"led by the query's own {selection.led} nearest item(s) (route=auto)")
+    if selection.filled:
+        notes.append(f"{selection.filled} slots filled from the query's dense neighbours")
+    return notes
 
 
 class StageClock:

@@ -19,8 +19,8 @@ from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.format import Generation, PromptBuilder, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.fanout.trie import DECODINGS, NAME_SCOPES, NameConstraint
-from service.paths.answer import PathAnswer, PathQuery, StageClock, stamp
-from service.paths.resolution import resolve_items
+from service.paths.answer import PathAnswer, PathQuery, StageClock, selection_notes, stamp
+from service.paths.resolution import lead_with_nearest, resolve_items
 from service.runtime.encoder import Encoder
 
 
@@ -121,6 +121,8 @@ class AutoregressivePath:
         selections, grounded = resolve_items(self.bundle.index, probes, queries,
                                              [q.k for q in batch], caps,
                                              [q.where for q in batch])
+        lead_with_nearest(self.bundle.index, selections, queries, [q.lead for q in batch],
+                          [q.where for q in batch])
         clock.lap("search")
         answers = []
         for p, group, found, generation, hit, selection, g in zip(
@@ -130,8 +132,7 @@ class AutoregressivePath:
             if not p.well_formed:
                 notes.append(f"malformed fan-out: {len(group)} of {self.fanout_k} sub-queries "
                              "usable")
-            if selection.filled:
-                notes.append(f"{selection.filled} slots filled from the query's dense neighbours")
+            notes += selection_notes(selection)
             if hit:
                 notes.append("fan-out from the expansion cache")
             answers.append(PathAnswer(selection, g, found, notes=notes,

@@ -16,8 +16,13 @@ from service.artifacts.bundle import Bundle
 from service.errors import BundleError
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
-from service.paths.answer import PathAnswer, PathQuery, StageClock, stamp
-from service.paths.resolution import first_distinct_rows, resolve_in_context, resolve_items
+from service.paths.answer import PathAnswer, PathQuery, StageClock, selection_notes, stamp
+from service.paths.resolution import (
+    first_distinct_rows,
+    lead_with_nearest,
+    resolve_in_context,
+    resolve_items,
+)
 from service.runtime.encoder import Encoder, normalize
 from service.runtime.index import neighbour_rows
 
@@ -141,11 +146,11 @@ class DiffusionPath:
         else:
             selections, grounded = resolve_in_context(self.bundle.index, rows, context_rows,
                                                       context, queries, ks, wheres)
+        lead_with_nearest(self.bundle.index, selections, queries, [q.lead for q in batch],
+                          wheres)
         clock.lap("search")
         answers = []
         for selection, g, probes in zip(selections, grounded.tolist(), rows, strict=True):
-            notes = [f"{selection.filled} slots filled from the query's dense neighbours"]
-            answers.append(PathAnswer(selection, g, probes, notes=notes if selection.filled
-                                      else []))
+            answers.append(PathAnswer(selection, g, probes, notes=selection_notes(selection)))
         clock.lap("postprocess")
         return stamp(answers, clock)

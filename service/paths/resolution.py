@@ -30,10 +30,11 @@ class Selection:
     rows: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     slots: list[int | None] = field(default_factory=list)  # probe index; None = dense fill
+    led: int = 0  # the first `led` items are the query's own nearest (slot None), not fill
 
     @property
     def filled(self) -> int:
-        return sum(slot is None for slot in self.slots)
+        return sum(slot is None for slot in self.slots) - self.led
 
 
 def probe_depth(n_probes: int, k: int, n_items: int) -> int:
@@ -206,6 +207,32 @@ def fill_short(index: VectorIndex, selections: list[Selection], queries: np.ndar
                                           where)
         for j, i in enumerate(short):
             fill_from_dense(selections[i], dense_rows[j], dense_scores[j], k)
+
+
+def lead_with_nearest(index: VectorIndex, selections: list[Selection], queries: np.ndarray,
+                      leads: list[int], wheres: list[Where | None] | None = None) -> None:
+    """Put each query's own `leads[i]` nearest items (queries (Q, d)) first, then the rest of
+    its selection, at the same length: route=auto's fanned-out answers, so a narrow query
+    judged broad still gets the item it names first (one search per lead size and filter)."""
+    filters = wheres if wheres is not None else [None] * len(leads)
+    groups: dict[tuple[int, Where | None], list[int]] = defaultdict(list)
+    for i, lead in enumerate(leads):
+        if lead > 0 and selections[i].rows:
+            groups[(lead, filters[i])].append(i)
+    for (lead, where), members in groups.items():
+        scores, rows = search(index, queries[members], lead, where)  # (M, lead)
+        for j, i in enumerate(members):
+            old = selections[i]
+            head = [(int(r), float(v)) for r, v in zip(rows[j], scores[j], strict=True)
+                    if r >= 0][: len(old.rows)]
+            first = {r for r, _ in head}
+            rest = [(r, v, slot) for r, v, slot in zip(old.rows, old.scores, old.slots,
+                                                        strict=True) if r not in first]
+            rest = rest[: len(old.rows) - len(head)]
+            selections[i] = Selection([r for r, _ in head] + [r for r, _, _ in rest],
+                                      [v for _, v in head] + [v for _, v, _ in rest],
+                                      [None] * len(head) + [slot for _, _, slot in rest],
+                                      led=len(head))
 
 
 def first_distinct_rows(index: VectorIndex, rows: np.ndarray, keep: int,

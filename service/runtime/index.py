@@ -22,10 +22,10 @@ from service.errors import BundleError
 from service.runtime.filters import RowFilter, Where
 
 EXACT = "Flat"
-# FAISS's `distance_compute_blas_threshold` picks exact search's kernel; the faiss-cpu wheel
-# ships 128000. Measured here (82k × 128-d, k=72, 1 thread, ms per probe): at 128000, 1.7 at
-# any call size; at 16, 9.5 for a 1-probe call, 2.3 for 4, 1.4 for 8, 0.6 for 32. So calls of
-# fewer than BLAS_FROM probes keep the wheel's setting.
+# FAISS's `distance_compute_blas_threshold` picks exact search's kernel; NO_BLAS is the
+# faiss-cpu wheel's own setting. The BLAS kernel is slower per probe for calls of few probes and
+# faster for many, so calls of fewer than BLAS_FROM probes keep the wheel's setting
+# (docs/experiments.md).
 BLAS_THRESHOLD = 16
 BLAS_FROM = 8
 NO_BLAS = 128_000

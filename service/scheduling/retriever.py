@@ -211,7 +211,8 @@ class Retriever:
         self.filter_fields = metadata_fields(bundle.items.metadata)
         self.batchers: dict[str, Batcher[PathQuery, PathAnswer]] = {}
         self.router = Router(settings.route_weights, set(paths), settings.seed)
-        self.trigger = FanoutTrigger(bundle.lexical, settings.fanout_threshold)
+        self.trigger = FanoutTrigger(bundle.lexical, settings.fanout_threshold,
+                                     settings.fanout_lead)
         self.warm = False
 
     @classmethod
@@ -323,8 +324,8 @@ class Retriever:
         started = time.monotonic()
         assignment = self.router.assign(request.user_id, request.route)
         decision = self._decide(request, assignment)
-        query = PathQuery(request.query, request.k,
-                          where_of(request.filter, self.filter_fields))
+        query = PathQuery(request.query, request.k, where_of(request.filter, self.filter_fields),
+                          lead=decision.lead if decision is not None else 0)
         route = assignment.route if decision is None or decision.fanout else "single"
         reason: str | None = None
         timings: dict[str, float] = {}

@@ -5,7 +5,9 @@ complementary items only pay for a broad one ("vehicle"). The score is the query
 the catalog: ln(1 + the number of item texts that hold every searched word of the query). A
 broad query is the genus that many items' descriptions name; a narrow one few or none. It
 reads the catalog's lexical index only (no labels, no model), in microseconds. The threshold is
-chosen where fanning out pays on the mixed val split (`r4t eval --trigger-curve`).
+chosen where fanning out pays on the mixed val split (`r4t eval --trigger-curve`). A query the
+trigger fans out is answered leading with its own `lead` nearest items, so a narrow query judged
+broad still gets the item it names first; a request that asks for a fan-out gets it pure.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ class Decision:
     reason: str  # one of REASONS
     score: float | None = None  # the query's breadth, when it was scored
     threshold: float | None = None
+    lead: int = 0  # the query's own nearest items a fanned-out answer puts first
 
 
 class FanoutTrigger:
     """Scores a query's breadth and decides whether its answer should be fanned out."""
 
-    def __init__(self, lexical: LexicalIndex | None, threshold: float) -> None:
-        self.lexical, self.threshold = lexical, threshold
+    def __init__(self, lexical: LexicalIndex | None, threshold: float, lead: int = 0) -> None:
+        self.lexical, self.threshold, self.lead = lexical, threshold, lead
 
     def score(self, text: str) -> float | None:
         """ln(1 + texts holding every searched word), None without a lexical index."""
@@ -46,11 +49,13 @@ class FanoutTrigger:
             return Decision(fanout=mode == "always", reason=mode)
         score = self.score(text)
         if score is None:  # nothing to tell narrow from broad with: the A/B arm answers
-            return Decision(fanout=True, reason="no-lexical-index")
+            return Decision(fanout=True, reason="no-lexical-index", lead=self.lead)
         broad = score >= self.threshold
         return Decision(fanout=broad, reason="broad" if broad else "narrow",
-                        score=round(score, 6), threshold=self.threshold)
+                        score=round(score, 6), threshold=self.threshold,
+                        lead=self.lead if broad else 0)
 
     def describe(self) -> dict[str, object]:
         return {"score": "ln(1 + catalog texts holding every query word)",
-                "threshold": self.threshold, "lexical_index": self.lexical is not None}
+                "threshold": self.threshold, "lead": self.lead,
+                "lexical_index": self.lexical is not None}

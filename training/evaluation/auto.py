@@ -8,6 +8,7 @@ path object.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 
 from service.artifacts.bundle import Bundle
@@ -26,12 +27,13 @@ def routed(trigger: FanoutTrigger, single: ServedPath, fanout: ServedPath) -> Se
     """A path answering each query as route=auto does: `single` or the fan-out path."""
 
     def answer(batch: Sequence[PathQuery]) -> list[PathAnswer]:
-        wide = [trigger.decide(q.text).fanout for q in batch]
+        decisions = [trigger.decide(q.text) for q in batch]
+        asked = [replace(q, lead=d.lead) for q, d in zip(batch, decisions, strict=True)]
         out: list[PathAnswer | None] = [None] * len(batch)
         for path, chosen in ((fanout, True), (single, False)):
-            picked = [i for i, w in enumerate(wide) if w == chosen]
+            picked = [i for i, d in enumerate(decisions) if d.fanout == chosen]
             if picked:
-                for i, a in zip(picked, path([batch[i] for i in picked]), strict=True):
+                for i, a in zip(picked, path([asked[i] for i in picked]), strict=True):
                     out[i] = a
         return [a for a in out if a is not None]
 
@@ -39,12 +41,16 @@ def routed(trigger: FanoutTrigger, single: ServedPath, fanout: ServedPath) -> Se
 
 
 def auto(bundle: Bundle, k: int = 10, seed: int = 0, threads: int = 0,
-         threshold: float | None = None, route: str = "diffusion") -> Method:
-    """Eval factory: the trigger over `single` and the served `route` (diffusion with noise
-    `seed`, or the AR route over the bundle's policy sampling with `seed`)."""
+         threshold: float | None = None, lead: int | None = None,
+         route: str = "diffusion") -> Method:
+    """Eval factory: the trigger (the served threshold and lead, unless given) over `single`
+    and the served `route` (diffusion with noise `seed`, or the AR route over the bundle's
+    policy sampling with `seed`)."""
     encoder = Encoder(bundle.encoder_config)
-    trigger = FanoutTrigger(bundle.lexical, Settings().fanout_threshold if threshold is None
-                            else threshold)
+    served = Settings()
+    trigger = FanoutTrigger(bundle.lexical,
+                            served.fanout_threshold if threshold is None else threshold,
+                            served.fanout_lead if lead is None else lead)
     if route == "diffusion":
         fanout: ServedPath = DiffusionPath(bundle, encoder, open_sampler(bundle, threads=threads),
                                            seed)

@@ -59,7 +59,7 @@ def reward_mode(value: str) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """`r4t train folm [--preset cpu|tiny] [--reward about|all|ground|ground+align|ablation|
+    """`r4t train folm [--preset P] [--reward about|all|ground|ground+align|ablation|
     py:module:function]`."""
     what = subcommand_group(sub, "train", "train models")
     folm = what.add_parser("folm", help="warm start + GRPO of the fan-out LM")

@@ -66,7 +66,7 @@ class GrpoConfig:
     preset: str = "cpu"
     # the label-free objective chosen on val (`r4t eval --ceilings`' objective table): "about"
     reward: str = "about"
-    steps: int = 250  # ~2.1 s per step with the catalog-context prompt: stage 1 ≈ 28 min
+    steps: int = 250  # sized to stage 1's time on 2 CPU cores (docs/experiments.md)
     queries_per_step: int = 4  # prompts per step; completions = queries × num_generations
     num_generations: int = 8  # the paper's group size
     lr: float = 1.5e-4
@@ -82,8 +82,9 @@ class GrpoConfig:
 
 
 # `--reward ablation`: free-text lines (under `context` decoding every line is a prompt name and
-# no collapse can be written); lr 1e-4 at 16 prompts per step raised each run's own reward,
-# where lr 5e-4 at 4 lowered it (Adam turned the noisy gradient into a random walk).
+# no collapse can be written); a lower lr with more prompts per step, since a higher lr on fewer
+# lowered each run's own reward (Adam turned the noisy gradient into a random walk;
+# docs/experiments.md).
 ABLATION: dict[str, dict[str, Any]] = {
     "cpu": {"steps": 100, "lr": 1e-4, "queries_per_step": 16, "decoding": "lines"},
     "tiny": {"decoding": "lines"},
@@ -301,7 +302,7 @@ def vllm_of(decoding: str, device: Device, k: int) -> dict[str, Any]:
     if not device.vllm or decoding in NAME_SCOPES:
         return {}
     regex = lines_regex(k) if decoding == "lines" else None
-    # 20% of the GPU: a 4B policy's training state takes ~90 GB of a 141 GB H200 (docs/gpu.md)
+    # vLLM's share of the GPU: the policy's training state needs most of the rest (docs/gpu.md)
     return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.2,
             "vllm_structured_outputs_regex": regex}
 

@@ -2,8 +2,8 @@
 
 A Qwen2-style config (grouped-query attention, RoPE, SwiGLU, RMSNorm, tied embeddings) with a
 byte-level BPE tokenizer trained with `tokenizers` on the catalog's texts and the training
-queries' texts (never val/test). Presets: `cpu` (the default, ~1.4M parameters, sized to run
-stage 1 and stage 2 in under 30 minutes each on 2 cores) and `tiny` (tests, seconds). Any local
+queries' texts (never val/test). Presets: `cpu` (the default, small enough that stages 1 and 2
+each fit a CPU build on 2 cores: docs/experiments.md) and `tiny` (tests, seconds). Any local
 Hugging Face causal-LM checkpoint can be named instead with `load_policy(path)` (a Qwen3 or
 Gemma 3 on disk: the accelerator recipe, docs/gpu.md); it is prompted as the default policy
 is. Nothing is ever downloaded.
@@ -39,7 +39,7 @@ class PolicyConfig:
     n_kv_heads: int = 2
     intermediate_size: int = 384
     max_positions: int = 256
-    max_new_tokens: int = 64  # ten catalog names, one per line: median 48 tokens, p99 60
+    max_new_tokens: int = 64  # k catalog names, one per line, with headroom (docs/experiments.md)
     k: int = 10
     context: int = 24  # candidate catalog names in the prompt (service/fanout/format.py); 0 = none
     candidates: str = "hybrid"  # their source (service/fanout/candidates.py)

@@ -54,7 +54,7 @@ FINAL = "final"
 class WarmStartConfig:
     preset: str = "cpu"
     lm_steps: int = 400
-    sft_steps: int = 2000  # the copy skill appears late: SFT loss 2.2 → 1.0 over steps 700-1100
+    sft_steps: int = 2000  # the copy skill appears late in SFT (docs/experiments.md)
     batch_size: int = 32
     lm_seq_len: int = 64
     lr: float = 2e-3
@@ -62,12 +62,11 @@ class WarmStartConfig:
     extra_queries: int = 4000
     ranked: bool = True  # sampled names keep their similarity order (else shuffled)
     # τ of the context names' draw weights exp(−rank/τ); 0 = uniform. Chosen on val by the
-    # selections themselves (3 draws each, coverage@10): first 10 in order 0.177, τ=2 0.181,
-    # τ=4 0.172, τ=10 0.166, uniform 0.164; recall@5k 0.580–0.590 throughout
+    # draws' own coverage@10, over the first k in order and uniform draws (docs/experiments.md)
     rank_decay: float = 2.0
     encoder_init: bool = True  # token embeddings start at the retrieval encoder's vectors
     seed: int = 0
-    threads: int = 2  # with the context prompt, 2 threads run an SFT step 1.75x faster than 1
+    threads: int = 2  # a second thread speeds up the context prompt's SFT (docs/experiments.md)
 
 
 WARMSTART_PRESETS: dict[str, WarmStartConfig] = {
@@ -116,10 +115,10 @@ def sample_target(
     """k distinct names drawn without replacement (fewer only if the pool has fewer).
 
     `decay` > 0 draws nearer names more often (successive draws ∝ exp(−rank/decay)): a uniform
-    draw of 10 of the 16 context names reaches fewer of a query's branches than the nearest
-    ones do (val coverage@10 0.164 vs 0.181 at τ=2). `ranked` keeps them in similarity order
-    (nearest first), which ties each line to the query far more predictably than a shuffled
-    order; shuffled targets train a policy whose greedy lines ignore the query.
+    draw of k of the prompt's context names reaches fewer of a query's branches than the nearest
+    ones do (docs/experiments.md). `ranked` keeps them in similarity order (nearest first), which
+    ties each line to the query far more predictably than a shuffled order; shuffled targets
+    train a policy whose greedy lines ignore the query.
     """
     n = len(candidates)
     picked = rng.choice(n, size=min(k, n), replace=False, p=rank_weights(n, decay))
@@ -224,7 +223,7 @@ def warm_start(
     wide = neighbour_names(bundle.index, names, query_emb, config.pool)
     neighbours = [target_pool(c, w, policy_config.k) if n_context else w
                   for c, w in zip(contexts, wide, strict=True)]
-    decay = config.rank_decay if n_context else 0.0  # τ was chosen for the 16-name context
+    decay = config.rank_decay if n_context else 0.0  # τ was chosen for the prompt's context names
 
     def make_sft() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         picks = rng.integers(0, len(queries), size=config.batch_size)

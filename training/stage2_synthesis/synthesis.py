@@ -1,26 +1,26 @@
 """Stage 2: synthesise the diffusion model's training set from the frozen fan-out policy.
 
-Each training query is sampled `samples_per_query` times (paper: 128) at temperature 0.9;
-each sample's k sub-queries are resolved to catalog items — a name by lookup, other text by
-its top-1 neighbour (service/fanout/grounding.py) — whose embeddings form the target block. The
-targets are the policy's whole output distribution: no reward filter by default (paper Fig. 1,
-§2.4). `--keep-top-frac F` keeps only each query's best F of samples by reward — the "filter
-successful trajectories" reading, for comparison. The local and torch backends sample as the
-service decodes (`--decoding`, default `context`: each of the k lines one of the prompt's
-catalog names, service/fanout/trie.py); a sample with fewer than k non-empty lines (the http
-backend's, unconstrained) cannot give k targets and is dropped (counted in the ledger);
-duplicate lines are kept and resolve to the same item, as the policy wrote them.
+Each training query is sampled `SynthesisConfig.samples_per_query` times at its `temperature`
+(the paper's values); each sample's k sub-queries are resolved to catalog items — a name by
+lookup, other text by its top-1 neighbour (service/fanout/grounding.py) — whose embeddings form
+the target block. The targets are the policy's whole output distribution: no reward filter by
+default (paper Fig. 1, §2.4). `--keep-top-frac F` keeps only each query's best F of samples by
+reward — the "filter successful trajectories" reading, for comparison. The local and torch
+backends sample as the service decodes (`--decoding`, default `context`: each of the k lines one
+of the prompt's catalog names, service/fanout/trie.py); a sample with fewer than k non-empty
+lines (the http backend's, unconstrained) cannot give k targets and is dropped (counted in the
+ledger); duplicate lines are kept and resolve to the same item, as the policy wrote them.
 `--extra-queries N` adds N catalog names that are no val/test query (the warm start's pick) as
 queries, `--extra-samples` samples each: the student sees more distinct conditions than the
-738 train queries.
+train split's queries alone.
 
 Backends: `local` (in this process, the default: the policy exported to ONNX and decoded
-by `service.fanout.decoding.FanoutDecoder` — what the service runs, 2–5× faster than HF `generate`
-on 2 cores), `torch` (HF `generate` in this process, on the GPU if any), `http` (an
-OpenAI-compatible `/v1/completions` endpoint) and `vllm` (a vLLM server started on the policy
-for the run, the accelerator recipe's: docs/gpu.md; "lines" decoding as vLLM's regex). Each
-distinct sub-query text is embedded and searched once per run (`ResolutionCache`); the
-ledger's retrieval calls count those searches.
+by `service.fanout.decoding.FanoutDecoder` — what the service runs, and faster than HF
+`generate` on CPU: docs/experiments.md), `torch` (HF `generate` in this process, on the GPU if
+any), `http` (an OpenAI-compatible `/v1/completions` endpoint) and `vllm` (a vLLM server started
+on the policy for the run, the accelerator recipe's: docs/gpu.md; "lines" decoding as vLLM's
+regex). Each distinct sub-query text is embedded and searched once per run (`ResolutionCache`);
+the ledger's retrieval calls count those searches.
 The run directory (`models/<bundle>/runs/synthesis/`) holds config.json,
 shards/shard-NNNNN.npz + .jsonl (resumable: finished shards are skipped) and ledger.json
 (samples, tokens, retrieval calls, wall time).
@@ -62,8 +62,9 @@ BACKENDS = ("local", "torch", "http", "vllm", "auto")
 @dataclass(frozen=True)
 class SynthesisConfig:
     samples_per_query: int = 128
-    # Catalog names (the warm start's 4,000, no val/test query) as extra queries, 16 samples
-    # each: 5.4× the student's distinct conditions, for ~10 more minutes of sampling (measured).
+    # Catalog names (no val/test query) as extra queries, `extra_samples` each: many more
+    # distinct conditions for the student at a small sampling cost (docs/experiments.md).
+    # As many as the warm start's WarmStartConfig.extra_queries, not imported: it imports torch.
     extra_queries: int = 4000
     extra_samples: int = 16
     temperature: float = 0.9
@@ -102,7 +103,8 @@ SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
     # 48 tokens: the tiny policy's own 32 seldom hold k lines
     "tiny": SynthesisConfig(samples_per_query=6, extra_queries=0, max_new_tokens=48,
                             shard_queries=3),
-    # the paper's 128 samples at T=0.9, decoded as GRPO sampled the LLM (docs/gpu.md)
+    # the paper's samples per query and temperature (the config's defaults), decoded as GRPO
+    # sampled the LLM (docs/gpu.md)
     "gpu": SynthesisConfig(backend="auto", decoding="lines", shard_queries=64, threads=8),
     # names from the prompt: even an untrained checkpoint ends its lines (docs/gpu.md)
     "gpu-smoke": SynthesisConfig(samples_per_query=4, extra_queries=0, shard_queries=4,
@@ -541,27 +543,31 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """`r4t synthesize [--samples 128] [--temperature 0.9] [--backend local|http]`."""
+    """`r4t synthesize [--samples N] [--temperature T] [--backend B]`: SynthesisConfig's
+    defaults."""
     syn = sub.add_parser("synthesize", help="stage 2: sample the frozen policy into a dataset")
-    syn.add_argument("--samples", type=int, default=128, help="samples per training query")
+    syn.add_argument("--samples", type=int, default=SynthesisConfig.samples_per_query,
+                     help="samples per training query")
     syn.add_argument("--extra-queries", type=int, default=SynthesisConfig.extra_queries,
                      help="also sample this many catalog names (no val/test query) as queries")
     syn.add_argument("--extra-samples", type=int, default=SynthesisConfig.extra_samples,
                      help="samples per extra query")
-    syn.add_argument("--temperature", type=float, default=0.9)
+    syn.add_argument("--temperature", type=float, default=SynthesisConfig.temperature)
     syn.add_argument("--decoding", default=SynthesisConfig.decoding, choices=DECODINGS,
                      help="how sampled lines are decoded (local/torch backends)")
-    syn.add_argument("--backend", default="local", choices=BACKENDS,
+    syn.add_argument("--backend", default=SynthesisConfig.backend, choices=BACKENDS,
                      help="vllm: a vLLM server on the policy for the run; auto: vllm where a "
                           "GPU runs it, else torch (default: %(default)s)")
-    syn.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL (http)")
-    syn.add_argument("--model", default="folm", help="model name for the http backend")
+    syn.add_argument("--endpoint", default=SynthesisConfig.endpoint,
+                     help="OpenAI-compatible base URL (http)")
+    syn.add_argument("--model", default=SynthesisConfig.model,
+                     help="model name for the http backend")
     syn.add_argument("--checkpoint", default=None,
                      help="policy HF folder (default: the cpu preset's GRPO run's final/)")
-    syn.add_argument("--keep-top-frac", type=float, default=None,
+    syn.add_argument("--keep-top-frac", type=float, default=SynthesisConfig.keep_top_frac,
                      help="keep each query's best fraction by reward (default: keep all)")
     syn.add_argument("--run-dir", default=None, help="default models/<bundle>/runs/synthesis")
     syn.add_argument("--limit", type=int, default=None, help="first N training queries")
-    syn.add_argument("--seed", type=int, default=0)
-    syn.add_argument("--threads", type=int, default=1)
+    syn.add_argument("--seed", type=int, default=SynthesisConfig.seed)
+    syn.add_argument("--threads", type=int, default=SynthesisConfig.threads)
     syn.set_defaults(func=cmd_synthesize)

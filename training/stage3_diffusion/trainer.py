@@ -97,7 +97,7 @@ class TrainConfig:
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     "paper": TrainConfig(model=preset("paper"), steps=10_000_000, batch=512, lr=1e-4,
                          warmup=5000, checkpoint_every=1000),
-    "cpu": TrainConfig(model=preset("cpu"), steps=4500),  # fits the 20-minute CPU budget
+    "cpu": TrainConfig(model=preset("cpu"), steps=4500),  # fits a CPU build (docs/experiments.md)
     "tiny": TrainConfig(model=preset("tiny"), steps=20, batch=16, warmup=2,
                         checkpoint_every=10, log_every=5),
 }

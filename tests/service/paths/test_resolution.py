@@ -10,6 +10,7 @@ from service.artifacts.bundle import load_bundle
 from service.paths.resolution import (
     claim_round_robin,
     first_distinct_rows,
+    lead_with_nearest,
     resolve_in_context,
     resolve_items,
 )
@@ -166,3 +167,22 @@ def test_context_resolution_without_rows_fills_every_slot_from_the_query():
                                               context_rows, items[context_rows], items[5:6], [4])
     assert selections[0].filled == 4 and grounded[0] == 0.0
     assert selections[0].rows[0] == 5  # the query is item 5's vector: its own item first
+
+
+def test_a_lead_puts_the_querys_own_nearest_first_at_the_same_length():
+    index, items = random_index()
+    queries = items[[7, 9, 11]]  # each query sits on an item: its nearest is that item
+    others = np.random.default_rng(1).choice(np.arange(20, 500), (3, 10), replace=False)
+    probes = [items[rows] for rows in others]
+    selections, _ = resolve_items(index, probes, queries, [10, 10, 10])
+    before = [list(s.rows) for s in selections]
+    slots = list(selections[0].slots)
+    selections[1].rows[4] = 9  # query 1's own item already among its claims
+    before[1][4] = 9
+    lead_with_nearest(index, selections, queries, [1, 1, 0])
+    own, again, untouched = selections
+    assert own.rows == [7, *before[0][:9]] and own.slots[0] is None and own.led == 1
+    assert own.filled == 0 and own.slots[1:] == slots[:9]  # the probes' claims keep their slots
+    assert again.rows == [9, *(r for r in before[1] if r != 9)]  # not repeated, order kept
+    assert untouched.rows == before[2] and untouched.led == 0
+    assert all(len(s.rows) == 10 == len(set(s.rows)) for s in selections)

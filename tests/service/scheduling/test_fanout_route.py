@@ -40,13 +40,17 @@ def test_auto_answers_a_narrow_query_with_single_and_says_why(settings_for, broa
         narrow = ask(NARROW, user_id="u1")
         assert narrow["route"] == "single" and narrow["arm"] in ("diffusion", "ar")
         assert narrow["fanout"] == {"fanout": False, "reason": "narrow", "score": 0.0,
-                                    "threshold": threshold}
+                                    "threshold": threshold, "lead": 0}
         wide = ask(query, user_id="u1")
         assert wide["route"] == narrow["arm"]  # the user's A/B arm answers a broad query
         assert wide["fanout"]["fanout"] and wide["fanout"]["reason"] == "broad"
         assert wide["fanout"]["score"] == pytest.approx(score, abs=1e-6)
+        own = ask(query, route="single")["items"][0]
+        assert wide["fanout"]["lead"] == 1 and wide["items"][0] == {**own, "slot": None}
+        assert any("led by the query's own 1 nearest" in note for note in wide["notes"])
         forced = ask(NARROW, fanout="always")
         assert forced["route"] != "single" and forced["fanout"]["reason"] == "always"
+        assert forced["fanout"]["lead"] == 0 and not any("led by" in n for n in forced["notes"])
         kept = ask(query, fanout="never")
         assert kept["route"] == "single" and kept["fanout"]["reason"] == "never"
         assert ask(NARROW, route="diffusion")["fanout"] is None  # a forced route decides

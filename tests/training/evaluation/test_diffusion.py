@@ -227,10 +227,13 @@ def test_auto_answers_each_query_by_the_triggers_decision(bundle):
     alone = METHODS["single"](bundle)(texts, queries).items
     fanned = diffusion(bundle, seed=0)(texts, queries).items
     assert (auto(bundle, threshold=float("inf"))(texts, queries).items == alone).all()
-    assert (auto(bundle, threshold=0.0)(texts, queries).items == fanned).all()
+    assert (auto(bundle, threshold=0.0, lead=0)(texts, queries).items == fanned).all()
+    led = auto(bundle, threshold=0.0, lead=1)(texts, queries).items  # the query's own first
+    for row, own, fan in zip(led, alone, fanned, strict=True):
+        assert row[0] == own[0] and list(row[1:]) == [r for r in fan if r != own[0]][:9]
     scores = [FanoutTrigger(bundle.lexical, 0.0).score(t) for t in texts]
     middle = sorted(scores)[len(scores) // 2]
-    mixed = auto(bundle, threshold=middle)(texts, queries).items
+    mixed = auto(bundle, threshold=middle, lead=0)(texts, queries).items
     wide = [i for i, score in enumerate(scores) if score >= middle]
     assert 0 < len(wide) < len(texts)
     # the noise is drawn per batch: the fanned-out queries are diffused as a batch of their own
