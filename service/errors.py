@@ -42,7 +42,7 @@ class DeadlineError(R4TError):
 
 
 class UnavailableError(R4TError):
-    """A retrieval path is not loaded or not ready."""
+    """A route is not loaded or not ready."""
 
     http_status = 503
 

@@ -46,7 +46,7 @@ class Metrics:
             buckets=BATCH_BUCKETS, registry=r,
         )
         self.queue_depth = Gauge(
-            "r4t_queue_depth", "Requests waiting in a path's queue.", ("route",), registry=r
+            "r4t_queue_depth", "Requests waiting in a route's queue.", ("route",), registry=r
         )
         self.in_flight = Gauge("r4t_in_flight", "Retrieval requests being served.", registry=r)
         self.ready = Gauge("r4t_ready", "1 once a bundle is loaded and warmed up.", registry=r)
@@ -54,7 +54,7 @@ class Metrics:
             "r4t_rejected_requests", "Requests refused, by reason.", ("reason",), registry=r
         )
         self.fallbacks = Counter(
-            "r4t_fallbacks", "Diffusion requests answered by the AR path, by reason.",
+            "r4t_fallbacks", "Diffusion requests answered by another route, by reason.",
             ("reason",), registry=r,
         )
         self.skipped = Counter(

@@ -96,7 +96,7 @@ class Settings(BaseSettings):
         0.0, ge=0, description="How long a batch that is not full may wait for more requests "
         "after its first; 0: run what is queued as soon as the worker is free.",
     )
-    queue_size: int = Field(256, ge=1, description="Bounded queue per path; full → 429.")
+    queue_size: int = Field(256, ge=1, description="Bounded queue per route; full → 429.")
     request_timeout_ms: float = Field(
         5000.0, gt=0, description="Deadline of a request from arrival; past it → 504."
     )

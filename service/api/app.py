@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import math
 import secrets
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,7 +69,7 @@ CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text} for code, text in (
         (413, "Body too large"), (422, "Invalid input"), (429, "Queue full; see Retry-After"),
-        (503, "Not ready or path unavailable"), (504, "Deadline passed"),
+        (503, "Not ready or route unavailable"), (504, "Deadline passed"),
     )
 }
 
@@ -162,14 +163,8 @@ class ServiceState:
         return self.retriever
 
     async def load(self, bundle_dir: Path, strict: bool) -> Retriever:
-        loader = ThreadPoolExecutor(1, initializer=yield_to_the_loop,  # sessions' pools inherit
-                                    initargs=(self.settings.compute_nice,))
-        try:
-            retriever = await asyncio.get_running_loop().run_in_executor(
-                loader, Retriever.load, self.settings, self.metrics, bundle_dir, self.loaders
-            )
-        finally:  # cancelled (shutdown): never block the loop on the load still running
-            loader.shutdown(wait=False)
+        retriever = await in_daemon_thread(self.settings.compute_nice, Retriever.load,
+                                           self.settings, self.metrics, bundle_dir, self.loaders)
         retriever.start()
         try:
             await retriever.warm_up(strict=strict)
@@ -289,6 +284,33 @@ class ServiceState:
             self.metrics.reloads.labels(outcome="failed").inc()
         finally:
             self.reload = self.reload.model_copy(update={"finished": now_iso()})
+
+
+async def in_daemon_thread(nice: int, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in a daemon thread at lowered priority (the ONNX sessions it builds inherit it),
+    awaited. A load still running at shutdown is abandoned, not waited for: an executor's
+    worker would be joined at exit, holding a SIGTERM'd process until a bundle finished
+    loading (its reads change nothing)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not done.done():  # cancelled meanwhile (shutdown)
+            outcome()
+
+    def run() -> None:
+        yield_to_the_loop(nice)
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task
+            answer = functools.partial(done.set_exception, exc)
+        else:
+            answer = functools.partial(done.set_result, result)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, answer)
+
+    threading.Thread(target=run, name="r4t-load", daemon=True).start()
+    return await done
 
 
 async def until_disconnect(request: Request, work: Awaitable[T], metrics: Metrics) -> T | Response:

@@ -128,7 +128,7 @@ class RetrieveResponse(BaseModel):
 
     items: list[Item] = Field(description="Exactly k distinct items (fewer only when fewer "
                               "match the request's filter).")
-    route: ServedRoute = Field(description="The path that answered.")
+    route: ServedRoute = Field(description="The route that answered.")
     arm: str = Field(description="A/B arm: a route name, or 'override' when route was forced.")
     fallback: Fallback
     fanout: FanoutDecision | None = Field(

@@ -208,7 +208,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=None, help="port (R4T_PORT)")
     parser.add_argument("--routes", default=None, help="A/B weights, e.g. diffusion=0.9,ar=0.1")
     parser.add_argument("--openai-base-url", default=None,
-                        help="OpenAI-compatible endpoint for the AR path")
+                        help="OpenAI-compatible endpoint for the ar route")
     parser.add_argument("--providers", default=None, help="ONNX Runtime providers or 'auto'")
     parser.add_argument("--log-level", default=None, help="log level (R4T_LOG_LEVEL)")
     parser.add_argument("--build", action="store_true",

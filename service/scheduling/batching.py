@@ -112,7 +112,7 @@ class Batcher(Generic[P, R]):
         budget = (deadline - time.monotonic()) * self.admit_wait_fraction
         if expected > budget:
             raise OverloadError(
-                f"the {self.name} path is busy: expected wait {expected * 1000:.0f} ms exceeds "
+                f"the {self.name} route is busy: expected wait {expected * 1000:.0f} ms exceeds "
                 f"this request's budget of {max(budget, 0.0) * 1000:.0f} ms; retry shortly",
                 retry_after_s=expected,
             )
@@ -121,7 +121,7 @@ class Batcher(Generic[P, R]):
         """Queue one request and wait for its answer; OverloadError when the queue is full or
         the expected wait exceeds the request's budget."""
         if self._closed:
-            raise UnavailableError(f"the {self.name} path is shutting down")
+            raise UnavailableError(f"the {self.name} route is shutting down")
         self.admit(deadline)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         job = Job(payload, future, deadline, time.monotonic())

@@ -2,7 +2,7 @@
 on reload. A bundle with only its catalog serves the `single` route; the AR route needs stage 1
 (or a pretrained GGUF policy in llm/, `r4t llm`), diffusion stage 3. It answers a request by its
 A/B arm (a narrow query asked with route=auto goes to `single` instead: the fan-out trigger,
-service/scheduling/trigger.py) and falls back from diffusion to the AR path (or, without one, to
+service/scheduling/trigger.py) and falls back from the diffusion route to ar (or, without it, to
 `single`) when diffusion is unavailable, fails, or fails the quality gate (groundedness below
 the threshold); every fallback is counted by reason. A diffusion path too busy to answer in
 time refuses (429) instead: the slower AR path would not do better.
@@ -77,7 +77,7 @@ class Served:
     """One answered request: the path's answer and how it was reached."""
 
     answer: PathAnswer
-    route: str  # the path that answered
+    route: str  # the route that answered
     arm: str
     fallback: str | None  # why diffusion did not answer, None when it did or was not asked
     decision: Decision | None  # route=auto's fan-out decision, None for a forced route
@@ -372,7 +372,7 @@ class Retriever:
         if batcher is None:
             why = self.problems.get(route, "not loaded")
             before = f"diffusion fallback ({fallback}) impossible: " if fallback else ""
-            raise UnavailableError(f"{before}the {route} path is unavailable: {why}")
+            raise UnavailableError(f"{before}the {route} route is unavailable: {why}")
         return await batcher.submit(query, deadline)
 
     async def _try_diffusion(

@@ -3,7 +3,7 @@
 Weights come from settings (e.g. `diffusion=0.9,ar=0.1`). A request with a `user_id` is
 assigned by a stable hash of it (the same user always lands in the same arm, across
 processes and restarts); without one the arm is drawn at random. A request naming a route
-overrides the weights and is labelled arm "override". Arms whose path is not loaded are
+overrides the weights and is labelled arm "override". Arms whose route is not loaded are
 left out and the remaining weights renormalised; when none is loaded, every request goes to
 the best route that is (ROUTE_ORDER): a bundle still being built serves what it has.
 """
@@ -20,7 +20,7 @@ ROUTE_ORDER = ("diffusion", "ar", "single")  # best first
 
 @dataclass(frozen=True)
 class Assignment:
-    route: str  # the path asked to answer
+    route: str  # the route asked to answer
     arm: str  # the A/B arm (a route name) or "override"
 
 

@@ -38,7 +38,7 @@ def test_a_catalog_alone_serves_the_single_route(settings_for, catalog_only):
         assert forced.json()["route"] == "single"  # the last resort of a diffusion request
         assert forced.json()["fallback"] == {"used": True, "reason": "unavailable"}
         missing = client.post("/v1/retrieve", json={"query": "fish", "route": "ar"})
-        assert missing.status_code == 503 and "ar path is unavailable" in missing.text
+        assert missing.status_code == 503 and "ar route is unavailable" in missing.text
 
 
 def test_a_watched_bundle_switches_to_diffusion_when_its_stage_lands(settings_for, catalog_only):

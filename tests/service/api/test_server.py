@@ -101,3 +101,36 @@ def test_bad_settings_are_one_clear_error_naming_each_variable():
     message = str(refused.value)
     assert "R4T_ADMIT_WAIT_FRACTION" in message and "R4T_COMPUTE_NICE" in message
     assert settings_from({"port": 9001}).port == 9001
+
+
+LOAD_NEVER_ENDS = """
+import asyncio, threading
+from service.api.app import in_daemon_thread
+
+started = threading.Event()
+
+def load() -> None:
+    started.set()
+    threading.Event().wait()  # a bundle load that never finishes
+
+async def main() -> None:
+    loading = asyncio.ensure_future(in_daemon_thread(0, load))
+    await asyncio.get_running_loop().run_in_executor(None, started.wait)
+    loading.cancel()  # what shutdown does to a load in flight
+    await asyncio.gather(loading, return_exceptions=True)
+    print("shut down")
+
+asyncio.run(main())
+"""
+
+
+def test_a_load_in_flight_does_not_hold_the_process_at_exit():
+    """A SIGTERM'd server whose reload is still loading exits at once: the load's thread is
+    abandoned, not joined at exit as an executor's worker is."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LOAD_NEVER_ENDS], capture_output=True,
+                          text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "shut down"

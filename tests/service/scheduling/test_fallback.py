@@ -79,7 +79,7 @@ def test_model_paths_down_leaves_the_single_route_and_a_503_not_a_500(settings_f
         response = client.post("/v1/retrieve", json={"query": "fish", "route": "ar"})
         assert response.status_code == 503
         error = response.json()["error"]
-        assert error["type"] == "UnavailableError" and "ar path is unavailable" in error["message"]
+        assert error["type"] == "UnavailableError" and "ar route is unavailable" in error["message"]
 
 
 def test_injected_sampler_faults_are_answered_by_ar(settings_for):
