@@ -6,7 +6,7 @@ BUNDLE  ?= models/default
 STAMP   := $(VENV)/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install system-deps bundle eval serve test lint bench scale loadtest overload soak chaos \
+.PHONY: install system-deps bundle eval eval-auto serve test lint bench scale loadtest overload soak chaos \
         clean-bundle gpu-bundle gpu-smoke wrk llm
 
 install: $(STAMP)
@@ -35,6 +35,17 @@ bundle: install
 # served index against it.
 eval: bundle
 	$(R4T) --bundle $(BUNDLE) eval --method all --split test --seeds 4 --index bundle
+
+# Fan out only when it pays: the trigger curve on the mixed val split (single vs the diffusion
+# route as route=auto serves it), then single, diffusion and auto on the broad, narrow and mixed
+# test splits -> models/default/eval/ (trigger_curve/, the paired tables printed)
+eval-auto: bundle
+	$(R4T) --bundle $(BUNDLE) eval --method single,diffusion,diffusion-led --split mixed-val \
+	  --seeds 4 --index bundle
+	$(R4T) --bundle $(BUNDLE) eval --trigger-curve --split mixed-val --method diffusion-led
+	for split in test narrow-test mixed-test; do \
+	  $(R4T) --bundle $(BUNDLE) eval --method single,diffusion,auto --split $$split --seeds 4 \
+	    --index bundle || exit 1; done
 
 # The main job: serve the default bundle on http://127.0.0.1:8000 while building whatever it
 # lacks in the background (progress bars); each route is served as its stage lands: single once

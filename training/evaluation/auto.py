@@ -1,12 +1,14 @@
 """`route=auto` in the evaluation harness: methods `auto` and `auto-ar` are what the service
-does with a route=auto request whose A/B arm is diffusion, or AR. The fan-out trigger
-(service.scheduling.trigger.FanoutTrigger, at the served threshold unless one is given) sends a
-narrow query to the `single` path and a broad one to the fan-out path, each the service's own
-path object.
+does with a route=auto request whose A/B arm is diffusion, or AR; `diffusion-led` and `ar-led`
+fan every query out as route=auto fans one out (its answer led by its own nearest items). The
+fan-out trigger (service.scheduling.trigger.FanoutTrigger, at the served threshold unless one is
+given) sends a narrow query to the `single` path and a broad one to the fan-out path, each the
+service's own path object.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
@@ -60,3 +62,7 @@ def auto(bundle: Bundle, k: int = 10, seed: int = 0, threads: int = 0,
 
 
 auto_ar = partial(auto, route="ar")
+# the fan-out routes as route=auto serves a query it fans out (led by its own nearest items):
+# what the trigger curve weighs against `single`
+diffusion_led = partial(auto, threshold=-math.inf)
+ar_led = partial(auto, threshold=-math.inf, route="ar")

@@ -23,7 +23,7 @@ from service.fanout.reward import score_probes
 from service.runtime.encoder import Encoder
 from training.data.query_sets import load_queries
 from training.data.splits import BenchmarkQuery
-from training.evaluation.auto import auto, auto_ar
+from training.evaluation.auto import ar_led, auto, auto_ar, diffusion_led
 from training.evaluation.baselines import BASELINES, Method, MethodOutput
 from training.evaluation.diffusion import diffusion
 from training.evaluation.fanout import FANOUT_METHODS
@@ -51,7 +51,8 @@ DIAGNOSTICS = ("distinct_subqueries", "recall@5k_union", "pool_size", "union_poo
 # name -> factory(bundle, k, **options) -> Method; later stages register their methods here.
 METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS, **LLM_METHODS,
                                              "diffusion": diffusion, "auto": auto,
-                                             "auto-ar": auto_ar}
+                                             "auto-ar": auto_ar, "diffusion-led": diffusion_led,
+                                             "ar-led": ar_led}
 PER_SEED = ("recall@5k", "coverage@10", "reward")  # per-seed means kept in the diagnostics
 PAIRED = ("coverage@10", "recall@5k")  # per-query means compared in the paired tables
 PER_QUERY = (*PAIRED, "precision@10", "hit@1", "ndcg@10")  # per-query means kept
