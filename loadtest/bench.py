@@ -38,7 +38,7 @@ from service.runtime.index import IndexChoice
 from service.runtime.sampler import DiffusionSampler
 from service.scheduling.retriever import ar_path
 from service.scheduling.trigger import FanoutTrigger
-from service.settings import Settings
+from service.settings import DEFAULT_BUNDLE, Settings
 
 BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 REPEATS = 3  # per batch size and path; the fastest run is reported
@@ -288,7 +288,7 @@ def write_outputs(report: dict, out_dir: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     parser.add_argument("--batches", type=positive_list, default=BATCHES)
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0 = all)")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))

@@ -41,6 +41,7 @@ from loadtest.openloop import TRANSPORT_ERROR, Load, scenario_body, summarize
 from loadtest.report import publish
 from loadtest.run import HOST, check_bundle, start_server, stop_server, wait_ready
 from service.artifacts.bundle import MANIFEST, read_manifest, write_manifest
+from service.settings import DEFAULT_BUNDLE
 
 ADMIN_TOKEN = "chaos"
 ALERTS = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "alerts.yml"
@@ -423,7 +424,7 @@ def markdown(report: dict[str, dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     parser.add_argument("--port", type=int, default=8770, help="first port; one per case")
     parser.add_argument("--cases", default=",".join(CASES), help="comma list")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results/chaos"))

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from loadtest.report import publish
+from service.settings import DEFAULT_BUNDLE
 
 QUERY = {"query": "musical instrument", "k": 10}
 
@@ -60,7 +61,7 @@ def summary(log: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--limit-min", type=float, default=180.0,
                         help="give up after this many minutes")

@@ -36,7 +36,7 @@ from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
 from service.runtime.index import IndexChoice
 from service.scheduling.retriever import SAMPLER_FILE, llm_path
-from service.settings import Settings
+from service.settings import DEFAULT_BUNDLE, Settings
 
 LLM_MAX_BATCH = 64  # minutes of Gemma 3 270M on 2 cores; larger batches are projected
 K = 10
@@ -152,7 +152,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("models/default"),
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE,
                         help="a bundle with llm/ (r4t llm), and diffusion/ for its column")
     parser.add_argument("--batches", type=positive_list, default=BATCHES)
     parser.add_argument("--llm-max-batch", type=positive, default=LLM_MAX_BATCH,

@@ -16,7 +16,7 @@ from loadtest.openloop import Load, scenario_body, summarize
 from loadtest.report import publish
 from loadtest.run import HOST, check_bundle, start_server, stop_server, wait_ready
 from service.arguments import positive_float
-from service.settings import Settings
+from service.settings import DEFAULT_BUNDLE, Settings
 
 RAMP_START_RPS, RAMP_STEP, RAMP_SECONDS = 60.0, 1.5, 8.0
 LIMITS = {"max_504_share": 0.01, "max_429_p99_ms": 50.0, "max_accepted_p99_share": 0.5}
@@ -91,7 +91,7 @@ def markdown(report: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     parser.add_argument("--port", type=int, default=8766)
     parser.add_argument("--factor", type=positive_float, default=4.0, help="overload, x capacity")
     parser.add_argument("--seconds", type=positive_float, default=30.0, help="per phase")

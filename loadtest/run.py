@@ -23,6 +23,7 @@ from loadtest.figure import figure
 from loadtest.report import publish
 from service.artifacts.bundle import read_manifest
 from service.errors import BundleError
+from service.settings import DEFAULT_BUNDLE
 
 SCENARIOS = ("single", "diffusion", "ar", "mix")
 # The rates measured sustainable on 2 cores (server and Locust sharing them); see README.
@@ -181,7 +182,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--users", type=int, default=64)
     parser.add_argument("--rate", type=float, default=200.0, help="offered requests/s in total")

@@ -33,7 +33,7 @@ from service.runtime.index import (
     search,
     set_threads,
 )
-from service.settings import Settings
+from service.settings import DEFAULT_BUNDLE, Settings
 
 SIZES = (82_115, 500_000, 2_000_000)
 BATCHES = (1, 8, 64, 512)
@@ -134,7 +134,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     parser.add_argument("--sizes", type=positive_list, default=SIZES)
     served = Settings()  # R4T_INDEX and R4T_FAISS_THREADS, as the service would read them
     parser.add_argument("--index", default=served.index, help="the approximate choice")

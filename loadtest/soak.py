@@ -24,6 +24,7 @@ from loadtest.overload import capacity
 from loadtest.report import publish
 from loadtest.run import HOST, check_bundle, start_server, stop_server, wait_ready
 from service.arguments import positive_float
+from service.settings import DEFAULT_BUNDLE
 
 LOAD_SHARE = 0.7
 MAX_RSS_GROWTH = 0.05
@@ -106,7 +107,7 @@ def markdown(report: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     parser.add_argument("--port", type=int, default=8767)
     parser.add_argument("--minutes", type=positive_float, default=20.0)
     parser.add_argument("--every", type=positive_float, default=10.0,

@@ -45,6 +45,7 @@ from loadtest.run import (
     wait_ready,
 )
 from service.arguments import positive, positive_list
+from service.settings import DEFAULT_BUNDLE
 
 SCRIPT = Path(__file__).with_name("wrk.lua")
 PY_SPY = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:/usr/bin:/usr/local/bin")
@@ -312,7 +313,7 @@ def client_kinds(text: str) -> tuple[str, ...]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", type=Path, default=Path("models/default"))
+    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--connections", type=positive, default=64)
     parser.add_argument("--seconds", type=positive, default=20, help="per scenario")

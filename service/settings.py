@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service.limits import MAX_BATCH_QUERIES, MAX_K, MAX_QUERY_CHARS
 
 ROUTES = ("diffusion", "ar", "single")
+DEFAULT_BUNDLE = Path("models/default")  # every command's --bundle default, and R4T_BUNDLE's
 
 
 def parse_weights(text: str) -> dict[str, float]:
@@ -43,7 +44,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="R4T_", frozen=True, extra="ignore")
 
     # --- bundle and runtimes
-    bundle: Path = Field(Path("models/default"), description="Bundle folder served at start-up.")
+    bundle: Path = Field(DEFAULT_BUNDLE, description="Bundle folder served at start-up.")
     providers: str = Field(
         "auto",
         description="ONNX Runtime providers, comma-separated; 'auto' = CUDA when available, "
@@ -177,7 +178,7 @@ class Settings(BaseSettings):
     )
     ar_max_new_tokens: int | None = Field(
         None, ge=1, description="Token budget of one fan-out; None = the bundle policy's (an "
-        "llm/ policy's llm.json, else 160).")
+        "llm/ policy's llm.json, else service/fanout/format.py's MAX_NEW_TOKENS).")
     ar_decoding: Literal["free", "lines", "context", "catalog"] | None = Field(
         None, description="How fan-out lines are decoded: 'lines' = exactly k non-empty lines, "
         "'context' = each line one of the catalog names in the prompt, 'catalog' = each line any "

@@ -10,12 +10,10 @@ from service.arguments import positive
 from service.errors import R4TError
 from service.fanout.trie import DECODINGS
 from service.runtime.encoder import MATRYOSHKA_DIMS
-from service.settings import Settings
+from service.settings import DEFAULT_BUNDLE, Settings
 from training.commands import register_diffusion
 from training.data.query_sets import EVAL_SPLITS
 from training.pipeline import BUNDLE_PRESETS  # torch-free: it imports stages 1-3 lazily
-
-DEFAULT_BUNDLE = Path("models/default")
 
 
 def _catalog_args(parser: argparse.ArgumentParser) -> None:

@@ -32,12 +32,11 @@ from pydantic import ValidationError
 from service.api.middleware import current_request_id
 from service.api.protocol import receive_deadline_protocol
 from service.errors import InputError
-from service.settings import Settings
+from service.settings import DEFAULT_BUNDLE, Settings
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-DEFAULT_BUNDLE = Path("models/default")  # the r4t command's --bundle default
 WATCH_S = 2.0  # manifest poll period while a background build runs
 BUILD_NICENESS = 10  # the build yields the cores to requests
 STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys()) | {

@@ -28,6 +28,7 @@ CONTEXT_TEMPLATE = "catalog: {names}\n"
 CONTEXT_SEPARATOR = "; "
 SEPARATOR = "\n"
 MAX_SUBQUERY_CHARS = 200
+MAX_NEW_TOKENS = 160  # a fan-out's token budget, unless its policy or the settings give one
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 
 from service.errors import BundleError, UnavailableError
 from service.fanout import instruction
-from service.fanout.format import Generation, prompt_context, prompt_query
+from service.fanout.format import MAX_NEW_TOKENS, Generation, prompt_context, prompt_query
 
 LLM_DIR = "llm"
 GGUF_FILE = "model.gguf"
@@ -41,7 +41,7 @@ class LlamaConfig:
     temperature: float = 0.0
     # > 1 discourages a token already written: a small model otherwise repeats one line
     repeat_penalty: float = 1.3
-    max_new_tokens: int = 160
+    max_new_tokens: int = MAX_NEW_TOKENS
     # "chat": the GGUF's chat template; "text": one plain few-shot transcript (a base model's
     # way); "auto": chat when the GGUF carries a template, else text
     prompting: str = "auto"

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from service.errors import UnavailableError
-from service.fanout.format import Generation
+from service.fanout.format import MAX_NEW_TOKENS, Generation
 
 RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_RETRY_AFTER_S = 5.0
@@ -31,7 +31,7 @@ class OpenAIConfig:
     backoff_s: float = 0.2
     max_connections: int = 8
     temperature: float = 0.0
-    max_tokens: int = 160
+    max_tokens: int = MAX_NEW_TOKENS
 
 
 class OpenAICompletionBackend:

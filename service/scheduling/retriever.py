@@ -28,7 +28,7 @@ from service.errors import (
     UnavailableError,
 )
 from service.fanout.candidates import DEFAULT_SOURCE
-from service.fanout.format import item_names
+from service.fanout.format import MAX_NEW_TOKENS, item_names
 from service.fanout.llama_backend import (
     LLM_DIR,
     LLM_MODEL,
@@ -55,7 +55,6 @@ log = logging.getLogger("r4t.retriever")
 SAMPLER_FILE = "diffusion/sampler.onnx"
 WARMUP_QUERIES = ("camping gear", "kitchen utensils", "musical instrument", "vehicle", "tree")
 WARMUP_DEADLINE_S = 120.0
-AR_MAX_NEW_TOKENS = 160  # an ONNX or endpoint policy's token budget unless settings give one
 
 RetrievalPath = DiffusionPath | AutoregressivePath | SinglePath
 
@@ -115,7 +114,7 @@ def _ar_backend(
         decoding = settings.ar_decoding or str(decoder.config.get("decoding", "lines"))
         names = item_names(bundle.items.texts) if decoding == "catalog" else []
         backend = OnnxFanoutBackend(
-            decoder, settings.ar_temperature, settings.ar_max_new_tokens or AR_MAX_NEW_TOKENS,
+            decoder, settings.ar_temperature, settings.ar_max_new_tokens or MAX_NEW_TOKENS,
             settings.seed,
             decoding=decoding, catalog_names=names,
         )
@@ -136,7 +135,7 @@ def _ar_backend(
             timeout_s=settings.openai_timeout_s, retries=settings.openai_retries,
             backoff_s=settings.openai_backoff_s, max_connections=settings.openai_max_connections,
             temperature=settings.ar_temperature or 0.0,
-            max_tokens=settings.ar_max_new_tokens or AR_MAX_NEW_TOKENS,
+            max_tokens=settings.ar_max_new_tokens or MAX_NEW_TOKENS,
         )
         return (OpenAICompletionBackend(config), settings.fanout_k, settings.ar_context or 0,
                 settings.ar_candidates or DEFAULT_SOURCE)
@@ -147,7 +146,7 @@ def _ar_backend(
 def _llama_backend(settings: Settings, bundle: Bundle,
                    mode: str | None = None) -> tuple[FanoutBackend, int, int, str]:
     """The bundle's GGUF policy (llm/) in llama.cpp, prompted as its llm.json records (in
-    `mode`, when given); R4T_AR_TEMPERATURE, R4T_AR_MAX_NEW_TOKENS and R4T_SEED override it."""
+    `mode`, when given); R4T_AR_TEMPERATURE, R4T_MAX_NEW_TOKENS and R4T_SEED override it."""
     config = read_llm_config(bundle.path / LLM_DIR, mode=mode,
                              temperature=settings.ar_temperature,
                              max_new_tokens=settings.ar_max_new_tokens, seed=settings.seed)
