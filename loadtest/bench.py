@@ -99,6 +99,43 @@ def paired_ratio(a: Any, b: Any, queries: list[str], k: int, pairs: int = PAIRS)
     return float(np.median(ratios))
 
 
+def trigger_s(trigger: FanoutTrigger, queries: list[str]) -> float:
+    """The fastest of REPEATS runs of route=auto's decision for every query of a batch."""
+    return min(_timed(lambda: [trigger.decide(text) for text in queries])
+               for _ in range(REPEATS))
+
+
+def run_trigger(bundle_dir: Path, batches: tuple[int, ...], out_dir: Path) -> dict:
+    """`--trigger-only`: the trigger beside `single` alone, for a bundle without stages 1-3."""
+    settings = Settings(bundle=bundle_dir)
+    bundle = load_bundle(bundle_dir, IndexChoice.parse(settings.index))
+    single = SinglePath(bundle, Encoder(bundle.encoder_config))
+    trigger = FanoutTrigger(bundle.lexical, settings.fanout_threshold)
+    texts = benchmark_texts(bundle_dir)
+    timed_batch(single, texts[:8], 10)  # warm-up
+    rows = []
+    for b in tqdm(batches, desc="bench trigger", unit="batch size"):
+        queries = [texts[i % len(texts)] for i in range(b)]
+        single_s = compute_s(best_of(REPEATS, timed_batch, single, queries, 10))
+        decide_s = trigger_s(trigger, queries)
+        rows.append({"batch": b, "single_s": single_s, "trigger_s": decide_s,
+                     "trigger_vs_single": decide_s / single_s})
+    report = {"machine": machine(), "index": bundle.index.describe(), "rows": rows}
+    lines = ["# route=auto's fan-out trigger beside `single`, same run", "",
+             f"- machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; "
+             f"fastest of {REPEATS} runs; the benchmark's test queries", "",
+             "| batch | single (s) | trigger (s) | trigger / single |", "|---:|---:|---:|---:|"]
+    lines += [f"| {r['batch']} | {r['single_s']:.4f} | {r['trigger_s']:.5f} | "
+              f"{r['trigger_vs_single']:.3f}x |" for r in rows]
+    publish(out_dir, "bench-trigger", report, "\n".join(lines), echo=False)
+    return report
+
+
+def benchmark_texts(bundle_dir: Path) -> list[str]:
+    return [json.loads(line)["query"] for line in
+            (bundle_dir / "benchmark" / "test.jsonl").read_text().splitlines()]
+
+
 def compute_s(clock: dict[str, float]) -> float:
     return sum(v for key, v in clock.items() if key != "tokens")
 
@@ -129,8 +166,7 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
         if paths["baseline"].bundle.encoder_identity != bundle.encoder_identity:
             raise SystemExit(f"--baseline {baseline} has another encoder; compare like bundles")
     k = int(sampler.config.get("k", 10))
-    texts = [json.loads(line)["query"] for line in
-             (bundle_dir / "benchmark" / "test.jsonl").read_text().splitlines()]
+    texts = benchmark_texts(bundle_dir)
     for path in paths.values():
         timed_batch(path, texts[:8], k)  # warm-up
     settle_heap()  # as the service does once loaded: no full collection walks the bundles
@@ -141,8 +177,7 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
         queries = [texts[i % len(texts)] for i in range(b)]
         clocks = {name: best_of(REPEATS, timed_batch, path, queries, k)
                   for name, path in paths.items()}
-        clocks["trigger"] = {"decide": min(_timed(lambda q=queries: [trigger.decide(t) for t in q])
-                                           for _ in range(REPEATS))}
+        clocks["trigger"] = {"decide": trigger_s(trigger, queries)}
         rows.append(_row(b, clocks, sampler.config, peak))
         if "baseline" in paths:
             rows[-1]["paired_vs_baseline"] = paired_ratio(paths["diffusion"], paths["baseline"],
@@ -297,8 +332,15 @@ def main() -> None:
     parser.add_argument("--baseline-index", default=None, metavar="R4T_INDEX",
                         help="measure the diffusion path beside itself searching this index "
                              "(e.g. milvus, bundle)")
+    parser.add_argument("--trigger-only", action="store_true",
+                        help="only route=auto's trigger beside single (a bundle without stages "
+                             "1-3) -> bench-trigger.md")
     args = parser.parse_args()
     try:
+        if args.trigger_only:
+            run_trigger(args.bundle, args.batches, args.out)
+            print((args.out / "bench-trigger.md").read_text())
+            return
         report = run(args.bundle, args.batches, args.threads, args.out, args.baseline,
                      args.baseline_index)
     except R4TError as exc:  # a missing or refused bundle, a bad R4T_INDEX
