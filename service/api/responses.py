@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from service.api.schemas import Fallback, FanoutDecision, Item, RetrieveResponse
 from service.artifacts.bundle import Bundle
 from service.scheduling.retriever import Served
@@ -19,7 +21,7 @@ def retrieve_response(served: Served, bundle: Bundle) -> RetrieveResponse:
         route=served.route,  # type: ignore[arg-type]
         arm=served.arm,
         fallback=Fallback(used=served.fallback is not None, reason=served.fallback),
-        fanout=None if served.decision is None else FanoutDecision(**vars(served.decision)),
+        fanout=None if served.decision is None else FanoutDecision(**asdict(served.decision)),
         bundle=bundle.name,
         groundedness=round(answer.groundedness, 6),
         notes=answer.notes,

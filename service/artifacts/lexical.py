@@ -139,6 +139,8 @@ class LexicalIndex:
                          show_progress=False)
         floor_common_tokens(self._bm25.scores, corpus)
         self._start = self._bm25.scores["indptr"].tolist()  # token → its postings' bounds
+        self._postings = self._bm25.scores["indices"]  # (P,) rows, sorted within a token
+        self._df = np.diff(self._bm25.scores["indptr"]).tolist()  # token → texts holding it
         self._tokenizer = FtsTokenizer()
 
     def token_ids(self, query: str) -> list[int]:
@@ -151,15 +153,15 @@ class LexicalIndex:
         rarest token's texts, kept where a binary search finds them in each other token's
         postings (sorted by row), one vectorised lookup per token."""
         ids = self.token_ids(query)
-        if not ids:
-            return 0
-        spans = sorted((self._start[t + 1] - self._start[t], self._start[t]) for t in ids)
-        postings = self._bm25.scores["indices"]
-        common = postings[spans[0][1] : spans[0][1] + spans[0][0]]  # (M,) rows, rarest token
-        for size, start in spans[1:]:
-            other = postings[start : start + size]  # (N,) sorted rows
-            found = other[np.minimum(np.searchsorted(other, common), size - 1)]  # (M,)
-            common = common[found == common]
+        if len(ids) < 2:
+            return self._df[ids[0]] if ids else 0
+        ids.sort(key=self._df.__getitem__)
+        start = self._start[ids[0]]
+        common = self._postings[start : start + self._df[ids[0]]]  # (M,) the rarest's rows
+        for token in ids[1:]:
+            start, size = self._start[token], self._df[token]
+            other = self._postings[start : start + size]  # (N,) sorted rows
+            common = common[other[np.minimum(np.searchsorted(other, common), size - 1)] == common]
         return len(common)
 
     def search(self, queries: Sequence[str], n: int) -> list[np.ndarray]:

@@ -25,7 +25,7 @@ FANOUT_MODES: tuple[FanoutMode, ...] = ("auto", "always", "never")
 REASONS = ("broad", "narrow", "always", "never", "arm", "no-lexical-index")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision:
     fanout: bool
     reason: str  # one of REASONS
@@ -51,9 +51,8 @@ class FanoutTrigger:
         if score is None:  # nothing to tell narrow from broad with: the A/B arm answers
             return Decision(fanout=True, reason="no-lexical-index", lead=self.lead)
         broad = score >= self.threshold
-        return Decision(fanout=broad, reason="broad" if broad else "narrow",
-                        score=round(score, 6), threshold=self.threshold,
-                        lead=self.lead if broad else 0)
+        return Decision(broad, "broad" if broad else "narrow", score, self.threshold,
+                        self.lead if broad else 0)
 
     def describe(self) -> dict[str, object]:
         return {"score": "ln(1 + catalog texts holding every query word)",
