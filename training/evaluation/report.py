@@ -138,8 +138,8 @@ def steps_figure(bundle_dir: Path) -> str | None:
 
 
 def trigger_figure(bundle_dir: Path) -> str | None:
-    """Per split: share fanned out vs the gain, harm and net of fanning out (coverage@10),
-    and the harm to hit@1 (narrow queries' exact item)."""
+    """Per split: share fanned out vs the gain, harm and net of fanning out (the curve's
+    objective), and the harm to hit@1 (narrow queries' exact item)."""
     import matplotlib.pyplot as plt
 
     curves = [json.loads(p.read_text())
@@ -149,9 +149,9 @@ def trigger_figure(bundle_dir: Path) -> str | None:
     fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
     for ax, curve in zip(axes[0], curves, strict=True):
         share = [p["share_fanned_out"] for p in curve["points"]]
+        goal = curve["objective"]
         for key, style in (("gain", "g-"), ("harm", "r-"), ("net", "k-")):
-            ax.plot(share, [p["coverage@10"][key] for p in curve["points"]], style,
-                    label=f"coverage@10 {key}")
+            ax.plot(share, [p[goal][key] for p in curve["points"]], style, label=f"{goal} {key}")
         ax.plot(share, [p["hit@1"]["harm"] for p in curve["points"]], "r:", label="hit@1 harm")
         served = curve["served"]
         ax.axvline(served["share_fanned_out"], color="0.5", ls="--", label="served threshold")
