@@ -56,8 +56,9 @@ def auto(bundle: Bundle, k: int = 10, seed: int = 0, threads: int = 0,
     if route == "diffusion":
         fanout: ServedPath = DiffusionPath(bundle, encoder, open_sampler(bundle, threads=threads),
                                            seed)
-    else:
-        fanout = policy_path(bundle, "folm", threads, None, seed, None)
+    else:  # stage 1's GRPO policy, or its warm start before GRPO has landed
+        folder = "folm" if bundle.has("folm/model.onnx") else "folm-warmstart"
+        fanout = policy_path(bundle, folder, threads, None, seed, None)
     return path_method(bundle, routed(trigger, SinglePath(bundle, encoder), fanout), k)
 
 
