@@ -143,7 +143,7 @@ class Settings(BaseSettings):
         "diffusion=0.9,ar=0.1", description="A/B weights of the arms, sticky per user_id."
     )
     fanout_threshold: float = Field(
-        2.0, description="route=auto fans a query out only when its breadth, ln(1 + catalog "
+        3.1, description="route=auto fans a query out only when its breadth, ln(1 + catalog "
         "texts holding every query word), reaches this; below, `single` answers it (narrow "
         "queries want the item they name). Chosen on the mixed val split: `r4t eval "
         "--trigger-curve` (service/scheduling/trigger.py).",

@@ -114,7 +114,7 @@ RESPONSE_EXAMPLE = {
     "route": "diffusion",
     "arm": "diffusion",
     "fallback": {"used": False, "reason": None},
-    "fanout": {"fanout": True, "reason": "broad", "score": 4.2, "threshold": 2.0, "lead": 1},
+    "fanout": {"fanout": True, "reason": "broad", "score": 4.2, "threshold": 3.1, "lead": 1},
     "bundle": "default",
     "groundedness": 0.78,
     "notes": [],
