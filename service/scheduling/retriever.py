@@ -146,7 +146,7 @@ def _ar_backend(
 def _llama_backend(settings: Settings, bundle: Bundle,
                    mode: str | None = None) -> tuple[FanoutBackend, int, int, str]:
     """The bundle's GGUF policy (llm/) in llama.cpp, prompted as its llm.json records (in
-    `mode`, when given); R4T_AR_TEMPERATURE, R4T_MAX_NEW_TOKENS and R4T_SEED override it."""
+    `mode`, when given); R4T_AR_TEMPERATURE, R4T_AR_MAX_NEW_TOKENS and R4T_SEED override it."""
     config = read_llm_config(bundle.path / LLM_DIR, mode=mode,
                              temperature=settings.ar_temperature,
                              max_new_tokens=settings.ar_max_new_tokens, seed=settings.seed)

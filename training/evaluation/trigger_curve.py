@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from service.artifacts.bundle import REPORTS_DIR, load_bundle
+from service.artifacts.bundle import REPORTS_DIR
+from service.artifacts.lexical import LEXICAL_FILE, LexicalIndex
 from service.errors import InputError
-from service.runtime.index import IndexChoice
 from service.scheduling.trigger import FanoutTrigger
 from service.settings import Settings
 from training.data.query_sets import load_queries
@@ -36,8 +36,9 @@ def trigger_curve(bundle_dir: Path, split: str, fanout: str = "diffusion") -> di
     if missing:
         raise InputError(f"the trigger curve on {split} needs the reports of {missing}: run "
                          f"`r4t eval --method single,{fanout} --split {split}` first")
-    bundle = load_bundle(bundle_dir, IndexChoice.parse("bundle"))
-    trigger = FanoutTrigger(bundle.lexical, Settings().fanout_threshold)
+    path = bundle_dir / LEXICAL_FILE  # the trigger reads this alone: no bundle load needed
+    trigger = FanoutTrigger(LexicalIndex(path) if path.is_file() else None,
+                            Settings().fanout_threshold)
     scores = np.array([trigger.score(q.query) or 0.0 for q in load_queries(bundle_dir, split)])
     delta = {m: np.asarray(means[fanout][m], float) - np.asarray(means["single"][m], float)
              for m in CURVE_METRICS}
