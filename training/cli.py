@@ -68,8 +68,8 @@ def cmd_bundle(args: argparse.Namespace) -> None:
     """Every stage in order, each rebuilt only when it is not current (see the plan printed)."""
     from training.pipeline import build_bundle, stage_configs
 
-    build_bundle(args.bundle, _catalog_config(args), force=args.force,
-                 presets=stage_configs(args.preset, args.init))
+    presets = stage_configs(args.preset, args.init) if args.init else args.preset
+    build_bundle(args.bundle, _catalog_config(args), force=args.force, presets=presets)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

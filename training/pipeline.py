@@ -17,6 +17,7 @@ was started for the same config and inputs (its build-key.json), else emptied fi
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import (
     BUILD_STATUS,
+    CONTENT_KEY,
     INDEX_FILE,
     config_hash,
     new_manifest,
@@ -44,8 +46,9 @@ from service.artifacts.bundle import (
     stage_inputs,
     stage_status,
     write_json_atomic,
+    write_manifest,
 )
-from service.artifacts.items import ItemStore
+from service.artifacts.items import ITEMS_FILE, ItemStore
 from service.artifacts.lexical import LEXICAL_FILE, MAX_DF, TOKENIZER, build_lexical_index
 from service.errors import BundleError
 from service.runtime.encoder import ENCODER_FOLDER, MATRYOSHKA_DIMS, Encoder, EncoderConfig
@@ -54,6 +57,7 @@ from training.data.catalog import WORDNET, Catalog, load_catalog
 from training.data.encoder import encoder_source, export_encoder, source_key
 from training.data.splits import read_benchmark_file, split_queries, wordnet_queries, write_splits
 from training.device import device_of, distributed
+from training.shipped import SHIPPED_STAGES, ShippedStages
 from training.stage1_fanout.gguf import hf_checkpoint
 
 if TYPE_CHECKING:  # stages 1-3 import torch: only when they are built
@@ -72,6 +76,7 @@ LLM_PRESETS = ("gpu", "gpu-smoke")  # the accelerator recipe (docs/gpu.md): they
 RUN_KEY = "build-key.json"  # in a stage's run folder: the config and inputs it was started for
 GPU_DIFFUSION_STEPS = 200_000  # at the paper's batch: many passes over the synthesised blocks
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".json")  # weights, configs, tokenizer
+TRAINING_PACKAGES = ("torch", "transformers", "trl", "onnx", "onnxscript")  # the train extra
 
 
 @dataclass(frozen=True)
@@ -220,13 +225,30 @@ def build_bundle(
         if catalog_config.source != WORDNET and not catalog_config.benchmark:
             raise BundleError("stages 1-3 train on the benchmark's train split: a JSONL "
                               "catalog needs its --benchmark")
-        configs = presets if isinstance(presets, StageConfigs) else stage_configs(presets)
-        manifest = _build(bundle_dir, catalog_config, configs, force, progress)
+        configs, shipped = recipe(presets)
+        manifest = _build(bundle_dir, catalog_config, configs, force, progress, shipped)
     except BaseException as exc:
         progress.update(state="failed", error=f"{type(exc).__name__}: {exc}")
         raise
     progress.update(state="done", current=None)
     return manifest
+
+
+def recipe(presets: str | StageConfigs) -> tuple[StageConfigs | None, ShippedStages | None]:
+    """Stages 1-3's configs (None where torch is not installed: a serve-only install) and the
+    preset's shipped stages, which a build adopts where they match."""
+    if isinstance(presets, StageConfigs):
+        return presets, None
+    shipped = ShippedStages.for_preset(presets)
+    try:
+        return stage_configs(presets), shipped
+    except ModuleNotFoundError as exc:
+        if exc.name not in TRAINING_PACKAGES:
+            raise
+        if shipped is None:
+            raise BundleError(f"stages 1-3 of the {presets} preset train with {exc.name}, which "
+                              "is not installed: `make bundle` installs it") from exc
+        return None, shipped
 
 
 class BuildProgress:
@@ -258,6 +280,7 @@ class _Build:
     configs: StageConfigs | None
     keys: dict[str, dict]
     force: bool
+    shipped: ShippedStages | None = None
     _catalog: Catalog | None = field(default=None, repr=False)
 
     @property
@@ -270,7 +293,7 @@ class _Build:
 
 def _build(
     bundle_dir: Path, config: CatalogConfig, configs: StageConfigs | None, force: bool,
-    progress: BuildProgress | None = None,
+    progress: BuildProgress | None = None, shipped: ShippedStages | None = None,
 ) -> dict[str, Any]:
     manifest = _existing(bundle_dir)
     if manifest and manifest["encoder"]["dim"] != config.dim:
@@ -280,6 +303,8 @@ def _build(
         )
     check_encoder_dim(config)
     keys = stage_keys(config, configs)
+    if configs is None and shipped is not None:  # no torch: the recipe the stages shipped with
+        keys |= shipped.keys
     plan = plan_stages(manifest, keys, force, config.source == WORDNET or bool(config.benchmark))
     print(f"{bundle_dir}:" + "".join(f"\n  {format_step(step)}" for step in plan), flush=True)
     if progress:
@@ -288,7 +313,7 @@ def _build(
     if not todo:
         print(f"{bundle_dir}: every stage is up to date")
         return manifest
-    build = _Build(bundle_dir, config, configs, keys, force)
+    build = _Build(bundle_dir, config, configs, keys, force, shipped)
     if any(step["stage"] in CATALOG_STAGES for step in todo):
         build.catalog  # noqa: B018 - validate the catalog before any write
     bundle_dir.mkdir(parents=True, exist_ok=True)
@@ -303,12 +328,40 @@ def _build(
             if progress:
                 progress.update(plan=plan)
             continue
-        print(f"== {format_step(step)}", flush=True)
         if progress:
             progress.update(current=name)
-        manifest = BUILDERS[name](build, manifest)
+        began = time.perf_counter()
+        manifest = _adopt_or_build(build, manifest, step)
+        manifest = record_build_wall(bundle_dir, name, time.perf_counter() - began)
         if progress:
             progress.update(current=None, finished=[*progress.status["finished"], name])
+    return manifest
+
+
+def _adopt_or_build(build: _Build, manifest: dict[str, Any], step: dict[str, str]) -> dict:
+    """Adopt the shipped stage when it matches this build's config and inputs, else build it,
+    saying first why the shipped copy was not used."""
+    name = step["stage"]
+    why_not = None
+    if build.shipped is not None and name in SHIPPED_STAGES and not build.force:
+        why_not = build.shipped.mismatch(name, build.keys[name], manifest)
+        if why_not is None:
+            step.update(action="shipped", reason=f"adopted from {build.shipped.folder}")
+            print(f"== {format_step(step)}", flush=True)
+            return build.shipped.adopt(build.bundle_dir, manifest, name)
+    note = f"; not the shipped copy: {why_not}" if why_not else ""
+    print(f"== {format_step(step)}{note}", flush=True)
+    return BUILDERS[name](build, manifest)
+
+
+def record_build_wall(bundle_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
+    """Add the stage's whole wall time here (training, export and commit) to its record as
+    `build_wall_s`: the figure the README's per-stage table quotes. Returns the manifest."""
+    manifest = read_manifest(bundle_dir)
+    record = manifest.get("stages", {}).get(name)
+    if record is not None:
+        record["build_wall_s"] = round(wall_s, 1)
+        write_manifest(bundle_dir, manifest)
     return manifest
 
 
@@ -343,6 +396,8 @@ def catalog_stage(
         files = [*store.save(staged), INDEX_FILE, *exported]
         record.update(_stage_record(key, started, n_items=len(catalog)),  # the plan's key
                       files=files)
+        record[CONTENT_KEY] = {ITEMS_FILE: sha256_file(staged / ITEMS_FILE),
+                               "encoder": encoder_content(encoder)}
         manifest["n_items"] = len(catalog)
         manifest["config"] = asdict(config)
         manifest["encoder"] = {"name": encoder.name, "dim": encoder.dim}
@@ -386,6 +441,7 @@ def lexical_stage(bundle_dir: Path, manifest: dict, texts: list[str]) -> None:
         bar.update(1)
         record.update(_stage_record(LEXICAL_KEY, started, n_items=len(texts)),
                       files=[LEXICAL_FILE])
+        record[CONTENT_KEY] = {}  # a function of its config and the catalog's texts
 
 
 def _build_lexical(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -493,7 +549,8 @@ BUILDERS: dict[str, Callable[[_Build, dict[str, Any]], dict[str, Any]]] = {
 
 def _configs(build: _Build) -> StageConfigs:
     if build.configs is None:
-        raise BundleError("stages 1-3 need their configs: use build_bundle")
+        raise BundleError(f"{build.bundle_dir}: stages 1-3 must be trained here and torch is "
+                          "not installed: `make bundle` installs it and builds them")
     return build.configs
 
 
@@ -566,6 +623,15 @@ def catalog_encoder(config: CatalogConfig, staged: Path) -> EncoderConfig:
     if source.folder is None:
         return EncoderConfig(dim=config.dim)
     return export_encoder(source, staged / ENCODER_FOLDER)
+
+
+def encoder_content(encoder: EncoderConfig) -> dict[str, Any]:
+    """What the catalog's vectors are a function of besides its texts: the encoder's name,
+    width and, for WordLlama, its package version (its weights ship in the wheel)."""
+    content: dict[str, Any] = {"name": encoder.name, "dim": encoder.dim}
+    if encoder.folder is None:
+        content["version"] = importlib.metadata.version("wordllama")
+    return content
 
 
 def _catalog_key(config: CatalogConfig) -> dict[str, Any]:

@@ -38,6 +38,9 @@ MANIFEST = "manifest.json"
 INDEX_FILE = "index.faiss"
 REPORTS_DIR = "eval"  # evaluation reports: written after the fact, not checksummed
 BUILD_STATUS = "build.json"  # progress of a running `build_bundle`, not checksummed
+# A stage record's field naming what its files are a function of, where those files are not
+# byte-stable across machines (stage_hash)
+CONTENT_KEY = "content"
 
 # The stages each stage reads. Stage 1 is `folm-warmstart` then `folm` (its GRPO policy),
 # stage 2 `synthesis` (a run folder, no bundle files), stage 3 `diffusion`.
@@ -219,14 +222,19 @@ def stage(
 
 def stage_hash(manifest: dict[str, Any], name: str) -> str | None:
     """The identity of a stage's current record (None when absent): its config hash, its
-    inputs and the sha256 of its files; a rebuild that changes any of them changes it."""
+    inputs and its content: the sha256 of its files, or the record's `content` where its files
+    hold floats that differ between CPUs (the catalog's embeddings and index: their item texts
+    and encoder instead), so that stages built on one machine stay current on another."""
     record = manifest.get("stages", {}).get(name)
     if not record:
         return None
     files = manifest.get("files", {})
+    content = record.get(CONTENT_KEY)
+    if content is None:
+        content = {f: files.get(f, {}).get("sha256") for f in record.get("files", ())}
     return config_hash({
         "config_hash": record.get("config_hash"), "inputs": record.get("inputs"),
-        "files": {f: files.get(f, {}).get("sha256") for f in record.get("files", ())},
+        "files": content,
     })
 
 

@@ -61,12 +61,14 @@ BACKENDS = ("local", "torch", "http", "vllm", "auto")
 
 @dataclass(frozen=True)
 class SynthesisConfig:
-    samples_per_query: int = 128
+    # half the paper's 128, and half the extra queries' samples: stage 2 was the default
+    # build's longest stage (docs/experiments.md)
+    samples_per_query: int = 64
     # Catalog names (no val/test query) as extra queries, `extra_samples` each: many more
     # distinct conditions for the student at a small sampling cost (docs/experiments.md).
     # As many as the warm start's WarmStartConfig.extra_queries, not imported: it imports torch.
     extra_queries: int = 4000
-    extra_samples: int = 16
+    extra_samples: int = 8
     temperature: float = 0.9
     max_new_tokens: int | None = None  # None: the policy's own budget
     shard_queries: int = 16
@@ -103,9 +105,10 @@ SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
     # 48 tokens: the tiny policy's own 32 seldom hold k lines
     "tiny": SynthesisConfig(samples_per_query=6, extra_queries=0, max_new_tokens=48,
                             shard_queries=3),
-    # the paper's samples per query and temperature (the config's defaults), decoded as GRPO
-    # sampled the LLM (docs/gpu.md)
-    "gpu": SynthesisConfig(backend="auto", decoding="lines", shard_queries=64, threads=8),
+    # the paper's 128 samples per query and its temperature, decoded as GRPO sampled the LLM
+    # (docs/gpu.md)
+    "gpu": SynthesisConfig(samples_per_query=128, extra_samples=16, backend="auto",
+                           decoding="lines", shard_queries=64, threads=8),
     # names from the prompt: even an untrained checkpoint ends its lines (docs/gpu.md)
     "gpu-smoke": SynthesisConfig(samples_per_query=4, extra_queries=0, shard_queries=4,
                                  backend="auto"),
