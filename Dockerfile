@@ -1,6 +1,7 @@
-# r4t: multi-stage image. The builder runs the offline job (the same steps `.ci/run` proves:
-# apt wordnet-base, torch==2.13.0 CPU, `pip install .[train]`, `r4t bundle`); the runtime holds
-# only the service's dependencies (no torch), the bundle and a non-root user.
+# r4t: multi-stage image. The builder builds the default bundle as `make serve` does: the
+# catalog stages from apt's wordnet-base, stages 1-3 adopted from models/shipped/default (no
+# torch; a recipe that no longer matches them fails the build: rebuild and ship them first,
+# README); the runtime holds only the service's dependencies, the bundle and a non-root user.
 #   docker build -t r4t .                          # CPU runtime
 #   docker build -t r4t:gpu --build-arg RUNTIME=gpu .   # onnxruntime-gpu on a CUDA base image
 ARG RUNTIME=cpu
@@ -12,9 +13,9 @@ WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
 COPY service service
 COPY training training
-RUN python -m venv /opt/train && /opt/train/bin/pip install --no-cache-dir \
-        --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
-    && /opt/train/bin/pip install --no-cache-dir -c constraints.txt '.[train]'
+COPY models/shipped models/shipped
+RUN python -m venv /opt/train \
+    && /opt/train/bin/pip install --no-cache-dir -c constraints.txt -e .
 RUN /opt/train/bin/r4t --bundle /bundle/default bundle
 
 FROM python:3.11-slim-bookworm AS runtime-cpu

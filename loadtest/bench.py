@@ -28,7 +28,7 @@ from loadtest.figure import figure
 from loadtest.report import publish
 from service.api.app import settle_heap
 from service.arguments import positive_list
-from service.artifacts.bundle import Bundle, load_bundle
+from service.artifacts.bundle import Bundle, load_bundle, require_stages
 from service.errors import R4TError
 from service.paths.answer import PathQuery, searched_s
 from service.paths.diffusion import DiffusionPath
@@ -99,6 +99,9 @@ def paired_ratio(a: Any, b: Any, queries: list[str], k: int, pairs: int = PAIRS)
     return float(np.median(ratios))
 
 
+BENCH_STAGES = ("catalog", "lexical", "benchmark", ("folm", "folm-warmstart"), "diffusion")
+
+
 def trigger_s(trigger: FanoutTrigger, queries: list[str]) -> float:
     """The fastest of REPEATS runs of route=auto's decision for every query of a batch."""
     return min(_timed(lambda: [trigger.decide(text) for text in queries])
@@ -107,6 +110,7 @@ def trigger_s(trigger: FanoutTrigger, queries: list[str]) -> float:
 
 def run_trigger(bundle_dir: Path, batches: tuple[int, ...], out_dir: Path) -> dict:
     """`--trigger-only`: the trigger beside `single` alone, for a bundle without stages 1-3."""
+    require_stages(bundle_dir, ("catalog", "lexical", "benchmark"), "bench --trigger-only")
     settings = Settings(bundle=bundle_dir)
     bundle = load_bundle(bundle_dir, IndexChoice.parse(settings.index))
     single = SinglePath(bundle, Encoder(bundle.encoder_config))
@@ -153,6 +157,9 @@ def diffusion_path(bundle_dir: Path, threads: int, encoder: Encoder | None = Non
 
 def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
         baseline: Path | None = None, baseline_index: str | None = None) -> dict:
+    require_stages(bundle_dir, BENCH_STAGES, "make bench")
+    if baseline is not None:
+        require_stages(baseline, BENCH_STAGES, "make bench BASELINE=")
     diffusion = diffusion_path(bundle_dir, threads)
     bundle, encoder, sampler = diffusion.bundle, diffusion.encoder, diffusion.sampler
     paths = {"diffusion": diffusion,
@@ -344,7 +351,7 @@ def main() -> None:
         report = run(args.bundle, args.batches, args.threads, args.out, args.baseline,
                      args.baseline_index)
     except R4TError as exc:  # a missing or refused bundle, a bad R4T_INDEX
-        parser.error(str(exc))
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")  # one line
     print(markdown(report))
 
 

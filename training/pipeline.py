@@ -215,18 +215,25 @@ def build_catalog(bundle_dir: Path, config: CatalogConfig, force: bool = False) 
 
 def build_bundle(
     bundle_dir: Path, catalog_config: CatalogConfig, force: bool = False,
-    presets: str | StageConfigs = "cpu",
+    presets: str | StageConfigs = "cpu", use_shipped: bool = True,
+    shipped: ShippedStages | None = None,
 ) -> dict[str, Any]:
     """Build every stage that is not current (all with `force`), in order, after printing
-    the plan; `<bundle>/build.json` follows the build. Returns the manifest."""
+    the plan; `<bundle>/build.json` follows the build. Stages 1-3 are adopted from `shipped`
+    (default: the preset's in the repository, unless `use_shipped` is off) where they match.
+    Returns the manifest."""
     bundle_dir = Path(bundle_dir)
     progress = BuildProgress(bundle_dir)
     try:
         if catalog_config.source != WORDNET and not catalog_config.benchmark:
             raise BundleError("stages 1-3 train on the benchmark's train split: a JSONL "
                               "catalog needs its --benchmark")
-        configs, shipped = recipe(presets)
+        configs, repository = recipe(presets)
+        shipped = (shipped or repository) if use_shipped else None
         manifest = _build(bundle_dir, catalog_config, configs, force, progress, shipped)
+        if configs is None and shipped is None:  # the catalog stages only: no recipe here
+            raise BundleError("stages 1-3 train with torch, which this install lacks: "
+                              "`make bundle` installs it and builds them")
     except BaseException as exc:
         progress.update(state="failed", error=f"{type(exc).__name__}: {exc}")
         raise
@@ -245,9 +252,6 @@ def recipe(presets: str | StageConfigs) -> tuple[StageConfigs | None, ShippedSta
     except ModuleNotFoundError as exc:
         if exc.name not in TRAINING_PACKAGES:
             raise
-        if shipped is None:
-            raise BundleError(f"stages 1-3 of the {presets} preset train with {exc.name}, which "
-                              "is not installed: `make bundle` installs it") from exc
         return None, shipped
 
 
@@ -335,6 +339,7 @@ def _build(
         manifest = record_build_wall(bundle_dir, name, time.perf_counter() - began)
         if progress:
             progress.update(current=None, finished=[*progress.status["finished"], name])
+    print(f"{bundle_dir}: done", flush=True)
     return manifest
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from service.artifacts.bundle import (
+    STAGE_INPUTS,
     config_hash,
     git_commit,
     now_iso,
@@ -81,7 +82,7 @@ class ShippedStages:
         if shipped["config_hash"] != config_hash(key):
             return "the shipped copy was built with another config"
         now = stage_inputs(manifest, name)
-        differ = [dep for dep in sorted(set(shipped["inputs"]) | set(now))
+        differ = [dep for dep in STAGE_INPUTS.get(name, ())
                   if shipped["inputs"].get(dep) != now.get(dep)]
         if differ:
             return f"the shipped copy was built on another {', '.join(differ)}"

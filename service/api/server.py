@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from service.api.middleware import current_request_id
 from service.api.protocol import receive_deadline_protocol
+from service.artifacts.bundle import require_stages
 from service.errors import InputError
 from service.settings import DEFAULT_BUNDLE, Settings
 
@@ -177,6 +178,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             overrides[name] = value
     settings = settings_from(overrides)
     if not getattr(args, "build", False):
+        if not settings.watch_s:  # nothing would ever arrive: say what builds it, exit 2
+            require_stages(settings.bundle, ("catalog",), "r4t serve (or `r4t serve --build`)")
         serve(settings)
         return
     if not settings.watch_s:

@@ -57,6 +57,13 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     # the catalog loaded into an external engine (`r4t index`): no files, a collection
     MILVUS_STAGE: ("catalog",),
 }
+# The command that builds each stage into a bundle (`{bundle}`: its folder)
+STAGE_COMMANDS: dict[str, str] = {
+    **dict.fromkeys(("catalog", "lexical", "benchmark"), "r4t --bundle {bundle} catalog"),
+    **dict.fromkeys(("folm-warmstart", "folm", "synthesis", "diffusion"),
+                    "r4t --bundle {bundle} bundle"),
+    "llm": "r4t --bundle {bundle} llm SOURCE",
+}
 # An engine call's bound for offline callers (eval, bench), whose pools and batches are large;
 # the service passes its serving deadline (R4T_INDEX_TIMEOUT_S).
 ENGINE_TIMEOUT_S = 300.0
@@ -266,6 +273,25 @@ def stage_status(
     if changed:
         return "rebuild", f"{', '.join(changed)} changed"
     return "current", ""
+
+
+def require_stages(bundle_dir: Path, needed: Iterable[str | tuple[str, ...]], what: str,
+                   manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest, or a BundleError naming the first stage `what` needs that the bundle
+    lacks and the command that builds it (a tuple in `needed`: any one of its stages)."""
+    if manifest is None:
+        try:
+            manifest = read_manifest(Path(bundle_dir))
+        except BundleError:
+            manifest = {}
+    stages = manifest.get("stages", {})
+    for need in needed:
+        options = (need,) if isinstance(need, str) else need
+        if not any(name in stages for name in options):
+            command = STAGE_COMMANDS[options[0]].format(bundle=bundle_dir)
+            raise BundleError(f"{what} needs the `{' or '.join(options)}` stage, which "
+                              f"{bundle_dir} lacks: build it with `{command}`")
+    return manifest
 
 
 def read_build_status(bundle_dir: Path) -> dict[str, Any] | None:

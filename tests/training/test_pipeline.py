@@ -228,3 +228,80 @@ def test_a_jsonl_catalog_without_benchmark_fails_before_building(tmp_path) -> No
     status = read_build_status(tmp_path / "b")
     assert status["state"] == "failed" and "--benchmark" in status["error"]
     assert not (tmp_path / "b" / MANIFEST).exists()
+
+
+def test_shipped_stages_are_adopted_on_matching_inputs_and_rebuilt_on_a_changed_text(
+        built, tmp_path, capsys) -> None:
+    """A copy of shipped stages 1-3 stands in for training in a bundle built from scratch
+    with the same catalog and recipe; a changed item text makes them train, saying why."""
+    from training.pipeline import stage_keys
+    from training.shipped import SHIPPED_STAGES, ShippedStages, ship
+
+    bundle, config, first, _ = built
+    tiny = stage_configs("tiny")
+    out = ship(bundle, stage_keys(config, tiny), {"note": "tiny"}, tmp_path / "shipped")
+    shipped = ShippedStages.open(out)
+    assert shipped is not None and not (out / "runs").exists()
+
+    fresh = tmp_path / "fresh"
+    capsys.readouterr()
+    manifest = build_bundle(fresh, config, presets=tiny, shipped=shipped)
+    printed = capsys.readouterr().out
+    for name in SHIPPED_STAGES:
+        assert f"== {name}: shipped (adopted from {out})" in printed
+        assert manifest["stages"][name]["config_hash"] == first["stages"][name]["config_hash"]
+    assert "warm start:" not in printed  # nothing trained
+    verify_bundle(fresh)
+    assert plan_of(fresh)["diffusion"] == f"shipped (adopted from {out})"
+    build_bundle(fresh, config, presets=tiny, shipped=shipped)
+    assert set(plan_of(fresh).values()) == {"current"}
+
+    source = tmp_path / "changed.jsonl"
+    lines = Path(config.source).read_text().splitlines()
+    record = json.loads(lines[0])
+    record["text"] += " (edited)"
+    source.write_text("\n".join([json.dumps(record), *lines[1:]]) + "\n")
+    capsys.readouterr()
+    build_bundle(fresh, replace(config, source=str(source)), presets=tiny, shipped=shipped)
+    printed = capsys.readouterr().out
+    assert "== folm-warmstart: rebuild (catalog, lexical, benchmark changed); not the shipped " \
+           "copy: the shipped copy was built on another catalog, lexical, benchmark" in printed
+    assert "shipped (adopted" not in printed
+
+
+def test_the_catalog_stage_is_keyed_on_its_texts_not_its_float_bytes(built) -> None:
+    """Embeddings that differ in their last bits (another CPU) keep the stages after the
+    catalog current; a changed item text does not."""
+    manifest = copy.deepcopy(built[2])
+    before = stage_hash(manifest, "catalog")
+    manifest["files"]["embeddings.npy"]["sha256"] = "0" * 64  # as another CPU would write it
+    manifest["files"]["index.faiss"]["sha256"] = "1" * 64
+    assert stage_hash(manifest, "catalog") == before
+    manifest["stages"]["catalog"]["content"]["items.jsonl"] = "2" * 64
+    assert stage_hash(manifest, "catalog") != before
+
+
+def test_without_torch_a_build_adopts_shipped_stages_by_their_recorded_recipe(
+        built, tmp_path, monkeypatch, capsys) -> None:
+    """`make serve`'s install has no torch: the catalog stages build, stages 1-3 come from the
+    shipped folder by the keys recorded there, and with no shipped folder the build stops after
+    the catalog stages, naming what installs torch."""
+    from training import pipeline
+    from training.pipeline import stage_keys
+    from training.shipped import SHIPPED_STAGES, ShippedStages, ship
+
+    bundle, config, _, _ = built
+    out = ship(bundle, stage_keys(config, stage_configs("tiny")), {}, tmp_path / "shipped")
+
+    def no_torch(preset: str, init: object = None) -> None:
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    monkeypatch.setattr(pipeline, "stage_configs", no_torch)
+    monkeypatch.setattr(ShippedStages, "for_preset", classmethod(lambda cls, p: cls.open(out)))
+    manifest = build_bundle(tmp_path / "lean", config, presets="tiny")
+    assert all(manifest["stages"][name]["shipped_from"] == str(out) for name in SHIPPED_STAGES)
+
+    monkeypatch.setattr(ShippedStages, "for_preset", classmethod(lambda cls, p: None))
+    with pytest.raises(BundleError, match="make bundle"):
+        build_bundle(tmp_path / "bare", config, presets="tiny")
+    assert set(read_manifest(tmp_path / "bare")["stages"]) == {"catalog", "lexical", "benchmark"}

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from service.artifacts.bundle import REPORTS_DIR, Bundle
+from service.artifacts.bundle import REPORTS_DIR, Bundle, require_stages
 from service.errors import InputError
 from service.fanout.reward import score_probes
 from service.runtime.encoder import Encoder
@@ -53,10 +53,35 @@ METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS, **LL
                                              "diffusion": diffusion, "auto": auto,
                                              "auto-ar": auto_ar, "diffusion-led": diffusion_led,
                                              "ar-led": ar_led}
+AR_POLICY = ("folm", "folm-warmstart")  # the AR route serves either
+_PROMPTED = "lexical"  # the prompts' and the student's candidates are hybrid: they read it
+# the bundle stages each method reads besides the catalog (and the split's benchmark)
+METHOD_STAGES: dict[str, tuple[str | tuple[str, ...], ...]] = {
+    **dict.fromkeys(("single", "mmr", "reward-greedy", "prompt-names"), ()),
+    **dict.fromkeys(("hybrid-names", "mmr-hybrid"), (_PROMPTED,)),
+    **dict.fromkeys(("folm-warmstart", "best-of-5"), (_PROMPTED, "folm-warmstart")),
+    "folm": (_PROMPTED, "folm"),
+    **dict.fromkeys(LLM_METHODS, (_PROMPTED, "llm")),
+    **dict.fromkeys(("diffusion", "auto", "diffusion-led"), (_PROMPTED, "diffusion")),
+    **dict.fromkeys(("auto-ar", "ar-led"), (_PROMPTED, AR_POLICY)),
+}
 PER_SEED = ("recall@5k", "coverage@10", "reward")  # per-seed means kept in the diagnostics
 PAIRED = ("coverage@10", "recall@5k")  # per-query means compared in the paired tables
 PER_QUERY = (*PAIRED, "precision@10", "hit@1", "ndcg@10")  # per-query means kept
 DIAGNOSTICS_DIR = "diagnostics"  # per-report extras kept apart so reports keep their exact shape
+
+
+def require_methods(bundle_dir: Path, methods: list[str], split: str,
+                    manifest: dict[str, Any] | None = None) -> None:
+    """A BundleError naming the first stage one of `methods` needs on `split` that the bundle
+    lacks, and its command; an InputError for an unknown method."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise InputError(f"unknown method {unknown[0]!r}; available: {sorted(METHODS)}")
+    for method in methods:
+        benchmark = () if split.startswith("narrow-") else ("benchmark",)
+        require_stages(bundle_dir, ("catalog", *benchmark, *METHOD_STAGES[method]),
+                       f"r4t eval --method {method}", manifest)
 
 
 def query_metrics(query: BenchmarkQuery, out: MethodOutput, i: int, bundle: Bundle) -> dict:
@@ -96,8 +121,7 @@ def evaluate(
     """Run `method` over `split` in batches and return the report dict. A sampling method
     (one taking a `seed`) runs with seeds s..s+seeds−1 (s = options' `seed`, else 0) and its
     metrics average over every (query, seed) pair; the per-seed means go to the diagnostics."""
-    if method not in METHODS:
-        raise InputError(f"unknown method {method!r}; available: {sorted(METHODS)}")
+    require_methods(bundle.path, [method], split, bundle.manifest)
     if seeds < 1:
         raise InputError(f"seeds must be at least 1, got {seeds}")
     queries = load_queries(bundle.path, split)[:limit]

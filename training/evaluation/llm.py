@@ -14,7 +14,6 @@ from collections.abc import Callable
 from functools import partial
 
 from service.artifacts.bundle import Bundle
-from service.fanout.llama_backend import LLM_MODEL
 from service.runtime.encoder import Encoder
 from service.scheduling.retriever import llm_path
 from service.settings import Settings
@@ -29,9 +28,6 @@ def llm_method(bundle: Bundle, mode: str, k: int = 10, threads: int = 0) -> Meth
     path = llm_path(settings, bundle, Encoder(bundle.encoder_config), mode)
     return path_method(bundle, path, k, prompt_candidates(bundle, path))
 
-
-def has_llm(bundle: Bundle) -> bool:
-    return bundle.has(LLM_MODEL)
 
 
 LLM_METHODS: dict[str, Callable[..., Method]] = {

@@ -20,7 +20,7 @@ from importlib import import_module
 from pathlib import Path
 
 from service.arguments import positive
-from service.artifacts.bundle import config_hash, read_manifest, sha256_file, stage
+from service.artifacts.bundle import config_hash, require_stages, sha256_file, stage
 from service.errors import BundleError
 from service.fanout.candidates import CANDIDATE_SOURCES
 from service.fanout.instruction import LLM_MODES
@@ -106,8 +106,8 @@ def convert_to_hf(source: str | Path, inits: Path = INITS_DIR) -> Path:
 def commit_llm(bundle_dir: Path, source: str | Path, config: LlamaConfig) -> Path:
     """Copy `source`'s GGUF into the bundle as its `llm` stage, prompted and decoded as
     `config` says; returns the GGUF's place in the bundle."""
+    manifest = require_stages(bundle_dir, ("catalog", "lexical"), "r4t llm")
     gguf = resolve_gguf(source)
-    manifest = read_manifest(bundle_dir)
     key = {"llm": asdict(config), "gguf_sha256": sha256_file(gguf)}
     record = {"config": key, "config_hash": config_hash(key), "source": str(source)}
     with stage(bundle_dir, manifest, LLM_DIR, record) as staged:
