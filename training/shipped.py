@@ -70,8 +70,9 @@ class ShippedStages:
 
     @property
     def keys(self) -> dict[str, dict[str, Any]]:
-        """{stage: the config it is current by}, as the code that built it computed them."""
-        return self.record["keys"]
+        """{stage: the config it is current by}, in build order, as the code that built it
+        computed them."""
+        return {name: self.record["keys"][name] for name in SHIPPED_STAGES}
 
     def mismatch(self, name: str, key: dict[str, Any], manifest: dict[str, Any]) -> str | None:
         """Why the shipped `name` cannot stand in for a build with `key` on this bundle's
