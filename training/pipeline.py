@@ -223,13 +223,13 @@ def build_bundle(
     (default: the preset's in the repository, unless `use_shipped` is off) where they match.
     Returns the manifest."""
     bundle_dir = Path(bundle_dir)
+    configs, repository = recipe(presets)  # a bad preset is refused before any write
+    shipped = (shipped or repository) if use_shipped else None
     progress = BuildProgress(bundle_dir)
     try:
         if catalog_config.source != WORDNET and not catalog_config.benchmark:
             raise BundleError("stages 1-3 train on the benchmark's train split: a JSONL "
                               "catalog needs its --benchmark")
-        configs, repository = recipe(presets)
-        shipped = (shipped or repository) if use_shipped else None
         manifest = _build(bundle_dir, catalog_config, configs, force, progress, shipped)
         if configs is None and shipped is None:  # the catalog stages only: no recipe here
             raise BundleError("stages 1-3 train with torch, which this install lacks: "
