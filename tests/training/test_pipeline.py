@@ -249,7 +249,9 @@ def test_shipped_stages_are_adopted_on_matching_inputs_and_rebuilt_on_a_changed_
     printed = capsys.readouterr().out
     for name in SHIPPED_STAGES:
         assert f"== {name}: shipped (adopted from {out})" in printed
-        assert manifest["stages"][name]["config_hash"] == first["stages"][name]["config_hash"]
+        adopted, built = manifest["stages"][name], first["stages"][name]
+        assert adopted["config_hash"] == built["config_hash"]
+        assert adopted["build_wall_s"] == built["build_wall_s"] and "adopted_wall_s" in adopted
     assert "warm start:" not in printed  # nothing trained
     verify_bundle(fresh)
     assert plan_of(fresh)["diffusion"] == f"shipped (adopted from {out})"
