@@ -178,23 +178,32 @@ def llm_path(settings: Settings, bundle: Bundle, encoder: Encoder,
 def load_paths(
     settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders
 ) -> tuple[dict[str, RetrievalPath], dict[str, str]]:
-    """Build every path the bundle and settings allow; say why the others are missing."""
+    """Build every path the bundle and settings allow; say why the others are missing. A route
+    whose stage the bundle lacks (BundleError) or whose runtime is not installed (ImportError)
+    is left out; one whose model is there but does not load (an ONNX Runtime or opset mismatch,
+    a corrupt graph) refuses the whole bundle, so a reload never swaps it in quietly."""
     paths: dict[str, RetrievalPath] = {"single": SinglePath(bundle, encoder)}
     problems: dict[str, str] = {}
-    try:
+
+    def diffusion() -> RetrievalPath:
         if not bundle.has(SAMPLER_FILE):
             raise BundleError(f"bundle has no {SAMPLER_FILE}")
         sampler = loaders.sampler(bundle.path / "diffusion", settings.provider_list,
                                   settings.threads)
         if settings.fault_diffusion_rate > 0:
             sampler = FaultySampler(sampler, settings.fault_diffusion_rate, settings.seed)
-        paths["diffusion"] = DiffusionPath(bundle, encoder, sampler, settings.seed)
-    except Exception as exc:
-        problems["diffusion"] = f"{type(exc).__name__}: {exc}"
-    try:
-        paths["ar"] = ar_path(settings, bundle, encoder, loaders)
-    except Exception as exc:
-        problems["ar"] = f"{type(exc).__name__}: {exc}"
+        return DiffusionPath(bundle, encoder, sampler, settings.seed)
+
+    builders: dict[str, Callable[[], RetrievalPath]] = {
+        "diffusion": diffusion, "ar": lambda: ar_path(settings, bundle, encoder, loaders)}
+    for route, build in builders.items():
+        try:
+            paths[route] = build()
+        except (BundleError, ImportError) as exc:
+            problems[route] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:
+            raise BundleError(f"bundle {bundle.path}: the {route} route's model does not load: "
+                              f"{type(exc).__name__}: {exc}") from exc
     return paths, problems
 
 

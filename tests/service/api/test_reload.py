@@ -95,3 +95,36 @@ def test_background_reload_swaps_while_serving(reload_server, second_bundle):
         answer = client.post("/v1/retrieve", json={"query": "cat"}).json()
         assert answer["bundle"] == "second"
         assert_k_unique(answer, 10)
+
+
+@pytest.fixture
+def unloadable_bundle(serving_bundle: Path, tmp_path: Path) -> Path:
+    """A bundle that passes its checksums but whose sampler ONNX Runtime cannot load (as an
+    opset or runtime mismatch would leave it)."""
+    from service.artifacts.bundle import sha256_file
+
+    target = tmp_path / "unloadable"
+    shutil.copytree(serving_bundle, target)
+    sampler = target / "diffusion" / "sampler.onnx"
+    sampler.write_bytes(b"not an onnx graph" * 64)
+    manifest = read_manifest(target)
+    manifest["name"] = "unloadable"
+    manifest["files"]["diffusion/sampler.onnx"] = {"sha256": sha256_file(sampler),
+                                                   "bytes": sampler.stat().st_size}
+    write_manifest(target, manifest)
+    return target
+
+
+def test_a_bundle_whose_model_does_not_load_is_refused_and_the_old_one_keeps_serving(
+    reload_server, unloadable_bundle
+):
+    with reload_server.client() as client:
+        before = client.get("/v1/info").json()["served"]["bundle"]
+        response = client.post("/admin/reload", headers=AUTH,
+                               json={"bundle": str(unloadable_bundle), "wait": True})
+        assert response.status_code == 422, response.text
+        assert "diffusion route's model does not load" in response.json()["error"]["message"]
+        assert client.get("/v1/info").json()["served"]["bundle"] == before
+        answer = client.post("/v1/retrieve", json={"query": "dog", "route": "diffusion"})
+        assert answer.status_code == 200
+        assert answer.json()["route"] == "diffusion" and not answer.json()["fallback"]["used"]
