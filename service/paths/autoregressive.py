@@ -154,7 +154,9 @@ class AutoregressivePath:
             if len(generated) != len(missing):
                 raise RuntimeError(f"{len(generated)} completions for {len(missing)} queries")
             clock.lap("decode")
-            self.cache.put_many([texts[i] for i in missing], generated)
+            kept = [j for j, g in enumerate(generated)  # a malformed one is asked again
+                    if parse_fanout(g.text, self.fanout_k).well_formed]
+            self.cache.put_many([texts[missing[j]] for j in kept], [generated[j] for j in kept])
             for i, generation in zip(missing, generated, strict=True):
                 found[i] = generation
         fresh = set(missing)

@@ -9,7 +9,7 @@ import pytest
 
 from service.artifacts.bundle import load_bundle
 from tests.service.api.test_app import metric_samples
-from tests.service.conftest import live_server
+from tests.service.conftest import MALFORMED_MARK, live_server
 
 NARROW = "zzyzx"  # a word no catalog text holds: breadth 0
 
@@ -90,3 +90,23 @@ def test_a_repeated_query_takes_its_fanout_from_the_bounded_cache(settings_for,
         assert asked("cache probe one") == 2
         ar("cache probe three")
         assert asked("cache probe three") == 1  # still held
+
+
+def test_a_malformed_fanout_is_not_cached(settings_for, completion_server):
+    """An early stop or an empty completion is served (filled by dense neighbours) but not
+    replayed for every repeat of the query: the next ask goes to the model again."""
+    query = f"cache probe {MALFORMED_MARK}"
+
+    def asked() -> int:
+        return sum(p.startswith(f"query: {query}\n") for p in completion_server.state.prompts)
+
+    with live_server(settings_for(fanout_cache_size=8)) as live, live.client() as client:
+        entries = metric(client, "r4t_fanout_cache_entries")  # the warm-up's, well formed
+        for expected in (1, 2):
+            response = client.post("/v1/retrieve", json={"query": query, "route": "ar"})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert any(note.startswith("malformed fan-out") for note in body["notes"])
+            assert "fan-out from the expansion cache" not in body["notes"]
+            assert asked() == expected
+        assert metric(client, "r4t_fanout_cache_entries") == entries
