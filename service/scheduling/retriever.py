@@ -328,7 +328,8 @@ class Retriever:
         }
 
     async def retrieve(self, request: Retrieval, deadline: float) -> Served:
-        """Answer one request by its arm, falling back from diffusion to AR when needed."""
+        """Answer one request by its arm, falling back from diffusion to AR, then to single,
+        when needed."""
         started = time.monotonic()
         assignment = self.router.assign(request.user_id, request.route)
         decision = self._decide(request, assignment)
@@ -346,7 +347,7 @@ class Retriever:
                     timings["diffusion_attempt"] = time.monotonic() - started
                     route = "ar" if "ar" in self.batchers else "single"
             if completed is None:
-                completed = await self._submit(route, query, deadline, reason)
+                completed, route = await self._submit_or_single(route, query, deadline, reason)
         except R4TError as exc:  # the HTTP layer labels the failure with the path tried
             exc.route, exc.arm = route, assignment.arm
             raise
@@ -383,6 +384,22 @@ class Retriever:
             raise UnavailableError(f"{before}the {route} route is unavailable: {why}")
         return await batcher.submit(query, deadline)
 
+    async def _submit_or_single(
+        self, route: str, query: PathQuery, deadline: float, fallback: str | None
+    ) -> tuple[Completed[PathAnswer], str]:
+        """`route`'s answer; after a diffusion fallback, a failing AR route hands the query on
+        to `single`, the last route down (a request that asked for `route` keeps its error)."""
+        try:
+            return await self._submit(route, query, deadline, fallback), route
+        except (OverloadError, DeadlineError, IndexUnavailableError):
+            raise  # single would not do better
+        except Exception:
+            if fallback is None or route == "single" or "single" not in self.batchers:
+                raise
+            log.warning("the %s route failed after a diffusion fallback (%s); answering with "
+                        "single", route, fallback, exc_info=True)
+            return await self._submit("single", query, deadline, fallback), "single"
+
     async def _try_diffusion(
         self, query: PathQuery, deadline: float
     ) -> tuple[Completed[PathAnswer] | None, str | None]:
@@ -396,7 +413,7 @@ class Retriever:
             raise  # nor would any other route without the index
         except Exception as exc:
             log.warning("diffusion path failed, falling back to AR: %s: %s",
-                        type(exc).__name__, exc)
+                        type(exc).__name__, exc, exc_info=True)
             return None, "error"
         if query.where is None and \
                 completed.result.groundedness < self.settings.groundedness_threshold:

@@ -102,3 +102,23 @@ def test_a_fault_rate_between_fails_that_share_of_batches(settings_for):
                               ).json()["route"] for _ in range(40)]
         assert 8 <= routes.count("ar") <= 32, routes  # binomial(40, 0.5): outside is < 1e-4
         assert fallback_count(client, "error") == routes.count("ar")
+
+
+def test_an_ar_failure_after_a_diffusion_fallback_is_answered_by_single(settings_for,
+                                                                         completion_server):
+    """diffusion → ar → single: the sampler fails, then the AR endpoint fails too (503s past
+    its retries); the answer comes from `single`, still saying why diffusion did not answer.
+    A request forced onto AR keeps its 503."""
+    settings = settings_for(fault_diffusion_rate=1.0, routes="diffusion=1", openai_retries=0)
+    with live_server(settings) as live, live.client() as client:
+        completion_server.state.fail_next = 2
+        try:
+            body = client.post("/v1/retrieve", json={"query": "oak", "route": "diffusion"})
+            assert body.status_code == 200, body.text
+            assert body.json()["route"] == "single"
+            assert body.json()["fallback"] == {"used": True, "reason": "error"}
+            assert_k_unique(body.json(), 10)
+            forced = client.post("/v1/retrieve", json={"query": "oak", "route": "ar"})
+            assert forced.status_code == 503
+        finally:
+            completion_server.state.fail_next = 0
