@@ -17,6 +17,7 @@ from training.data.catalog import WORDNET
 from training.data.query_sets import EVAL_SPLITS
 from training.pipeline import (  # torch-free: it imports stages 1-3 lazily
     BUNDLE_PRESETS,
+    NEEDS_TORCH,
     TRAINING_PACKAGES,
 )
 from training.shipped import SHIPPED_NAME, SHIPPED_ROOT
@@ -115,11 +116,15 @@ def cmd_bundle(args: argparse.Namespace) -> None:
 def cmd_ship(args: argparse.Namespace) -> None:
     """Measure the bundle's routes on val, then copy its stages 1-3 with their records and
     those figures into the shipped folder (commit it: `make ship` does both steps)."""
-    from training.evaluation.regression import shipped_figures
-    from training.pipeline import CatalogConfig, stage_configs, stage_keys
-    from training.shipped import SHIPPED_PRESET, ship
+    from training.pipeline import NEEDS_TORCH, CatalogConfig, recipe, stage_keys
+    from training.shipped import SHIPPED_PRESET, ship, shippable
 
-    keys = stage_keys(CatalogConfig(), stage_configs(SHIPPED_PRESET))
+    configs, _ = recipe(SHIPPED_PRESET)
+    if configs is None:
+        raise InputError(f"r4t ship checks the recipe, and {NEEDS_TORCH}")
+    from training.evaluation.regression import shipped_figures  # its methods need the extra
+    keys = stage_keys(CatalogConfig(), configs)
+    shippable(args.bundle, keys, args.out)  # before a minute of evaluation
     out = ship(args.bundle, keys, shipped_figures(args.bundle, args.seeds), args.out)
     print(f"shipped {args.bundle}'s stages 1-3 -> {out}")
 
@@ -316,8 +321,7 @@ def register_train_folm(sub: argparse._SubParsersAction) -> None:
 
 
 def needs_training(args: argparse.Namespace) -> None:
-    raise InputError("r4t train folm needs torch, which this install (make serve) lacks: "
-                     "`make bundle` installs it")
+    raise InputError(f"r4t train folm needs torch: {NEEDS_TORCH}")
 
 
 def main(argv: list[str] | None = None) -> int:

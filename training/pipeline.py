@@ -77,6 +77,7 @@ RUN_KEY = "build-key.json"  # in a stage's run folder: the config and inputs it 
 GPU_DIFFUSION_STEPS = 200_000  # at the paper's batch: many passes over the synthesised blocks
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".json")  # weights, configs, tokenizer
 TRAINING_PACKAGES = ("torch", "transformers", "trl", "onnx", "onnxscript")  # the train extra
+NEEDS_TORCH = "torch is not installed here (make serve's install): `make bundle` installs it"
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,7 @@ def build_bundle(
                               "catalog needs its --benchmark")
         manifest = _build(bundle_dir, catalog_config, configs, force, progress, shipped)
         if configs is None and shipped is None:  # the catalog stages only: no recipe here
-            raise BundleError("stages 1-3 train with torch, which this install lacks: "
-                              "`make bundle` installs it and builds them")
+            raise BundleError(f"stages 1-3 must be trained, and {NEEDS_TORCH}")
     except BaseException as exc:
         progress.update(state="failed", error=f"{type(exc).__name__}: {exc}")
         raise
@@ -556,8 +556,7 @@ BUILDERS: dict[str, Callable[[_Build, dict[str, Any]], dict[str, Any]]] = {
 
 def _configs(build: _Build) -> StageConfigs:
     if build.configs is None:
-        raise BundleError(f"{build.bundle_dir}: stages 1-3 must be trained here and torch is "
-                          "not installed: `make bundle` installs it and builds them")
+        raise BundleError(f"{build.bundle_dir}: stages 1-3 must be trained, and {NEEDS_TORCH}")
     return build.configs
 
 

@@ -106,10 +106,11 @@ class ShippedStages:
         return read_manifest(bundle_dir)
 
 
-def ship(bundle_dir: Path, keys: dict[str, dict[str, Any]], figures: dict[str, Any],
-         out: Path) -> Path:
-    """Write `out/shipped.json` and copy the bundle's stages 1-3 beside it; the bundle's
-    records must be current by `keys` (the code's recipe now)."""
+def shippable(bundle_dir: Path, keys: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
+    """The bundle's manifest, or a BundleError when its stages 1-3 are missing or not built by
+    `keys` (the code's recipe now), or when `out` holds something other than shipped stages."""
+    if out.exists() and not (out / SHIPPED_FILE).is_file():
+        raise BundleError(f"{out} exists and holds no {SHIPPED_FILE}: name an empty --out")
     manifest = read_manifest(bundle_dir)
     stages = manifest.get("stages", {})
     missing = [name for name in SHIPPED_STAGES if name not in stages]
@@ -121,6 +122,15 @@ def ship(bundle_dir: Path, keys: dict[str, dict[str, Any]], figures: dict[str, A
     if stale:
         raise BundleError(f"{bundle_dir}: {', '.join(stale)} not built by this recipe: "
                           "rebuild first (r4t bundle)")
+    return manifest
+
+
+def ship(bundle_dir: Path, keys: dict[str, dict[str, Any]], figures: dict[str, Any],
+         out: Path) -> Path:
+    """Write `out/shipped.json` and copy the bundle's stages 1-3 beside it (`shippable`
+    first)."""
+    manifest = shippable(bundle_dir, keys, out)
+    stages = manifest["stages"]
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)

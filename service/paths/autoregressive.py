@@ -109,6 +109,9 @@ class AutoregressivePath:
         clock.lap("encode")
         generations, cached = self._fanouts(texts, queries, clock)
         parsed = [parse_fanout(g.text, self.fanout_k) for g in generations]
+        fresh = [i for i, p in enumerate(parsed) if not cached[i] and p.well_formed]
+        self.cache.put_many([texts[i] for i in fresh],  # a malformed one is asked again
+                            [generations[i] for i in fresh])
         subs = [[s for s, ok in zip(p.subqueries, p.valid, strict=True) if ok] for p in parsed]
         flat = [s for group in subs for s in group]
         clock.lap("postprocess")
@@ -154,9 +157,6 @@ class AutoregressivePath:
             if len(generated) != len(missing):
                 raise RuntimeError(f"{len(generated)} completions for {len(missing)} queries")
             clock.lap("decode")
-            kept = [j for j, g in enumerate(generated)  # a malformed one is asked again
-                    if parse_fanout(g.text, self.fanout_k).well_formed]
-            self.cache.put_many([texts[missing[j]] for j in kept], [generated[j] for j in kept])
             for i, generation in zip(missing, generated, strict=True):
                 found[i] = generation
         fresh = set(missing)

@@ -307,3 +307,16 @@ def test_without_torch_a_build_adopts_shipped_stages_by_their_recorded_recipe(
     with pytest.raises(BundleError, match="make bundle"):
         build_bundle(tmp_path / "bare", config, presets="tiny")
     assert set(read_manifest(tmp_path / "bare")["stages"]) == {"catalog", "lexical", "benchmark"}
+
+
+def test_ship_refuses_an_out_folder_that_holds_something_else(built, tmp_path) -> None:
+    from training.pipeline import stage_keys
+    from training.shipped import ship
+
+    bundle, config, _, _ = built
+    other = tmp_path / "a-bundle"
+    other.mkdir()
+    (other / "manifest.json").write_text("{}")
+    with pytest.raises(BundleError, match=r"holds no shipped\.json"):
+        ship(bundle, stage_keys(config, stage_configs("tiny")), {}, other)
+    assert (other / "manifest.json").read_text() == "{}"
