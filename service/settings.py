@@ -14,7 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.limits import MAX_BATCH_QUERIES, MAX_K, MAX_QUERY_CHARS
 
-ROUTES = ("diffusion", "ar", "single")
+ROUTES = ("diffusion", "ranked", "ar", "single")
+FALLBACK_ROUTES = "diffusion=0.9,ar=0.1"  # a bundle that measured none (no `routes` stage)
 DEFAULT_BUNDLE = Path("models/default")  # every command's --bundle default, and R4T_BUNDLE's
 
 
@@ -139,8 +140,9 @@ class Settings(BaseSettings):
         "purpose (chaos testing: their requests must fall back to AR); 0 in production.",
     )
     # --- routing and fallback
-    routes: str = Field(
-        "diffusion=0.9,ar=0.1", description="A/B weights of the arms, sticky per user_id."
+    routes: str | None = Field(
+        None, description="A/B weights of the arms, sticky per user_id. Unset: the bundle's "
+        f"own choice, measured on its val split (its `routes` stage), else {FALLBACK_ROUTES}.",
     )
     fanout_threshold: float = Field(
         3.1, description="route=auto fans a query out only when its breadth, ln(1 + catalog "
@@ -211,8 +213,9 @@ class Settings(BaseSettings):
 
     @field_validator("routes")
     @classmethod
-    def _valid_routes(cls, value: str) -> str:
-        parse_weights(value)
+    def _valid_routes(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_weights(value)
         return value
 
     @model_validator(mode="after")
@@ -224,9 +227,10 @@ class Settings(BaseSettings):
                              "request_timeout_ms, or every request would be refused")
         return self
 
-    @property
-    def route_weights(self) -> dict[str, float]:
-        return parse_weights(self.routes)
+    def route_weights(self, recorded: str | None = None) -> dict[str, float]:
+        """The A/B weights: R4T_ROUTES, else the bundle's `recorded` choice, else
+        FALLBACK_ROUTES."""
+        return parse_weights(self.routes or recorded or FALLBACK_ROUTES)
 
     @property
     def provider_list(self) -> list[str] | None:

@@ -57,8 +57,10 @@ from training.data.catalog import WORDNET, Catalog, load_catalog
 from training.data.encoder import encoder_source, export_encoder, source_key
 from training.data.splits import read_benchmark_file, split_queries, wordnet_queries, write_splits
 from training.device import device_of, distributed
+from training.evaluation.routes import routes_stage_config, select_routes
 from training.shipped import SHIPPED_STAGES, ShippedStages
 from training.stage1_fanout.gguf import hf_checkpoint
+from training.stage1_fanout.ranker import RankerTrainConfig, ranker_stage_config, train_ranker
 
 if TYPE_CHECKING:  # stages 1-3 import torch: only when they are built
     from training.stage1_fanout.grpo import GrpoConfig
@@ -70,7 +72,9 @@ if TYPE_CHECKING:  # stages 1-3 import torch: only when they are built
 MODELS_DIR = Path("models")
 EMBED_CHUNK = 4096
 CATALOG_STAGES = ("catalog", "lexical", "benchmark")
-PIPELINE = (*CATALOG_STAGES, "folm-warmstart", "folm", "synthesis", "diffusion")
+LABELED_STAGES = ("benchmark", "ranker", "routes")  # skipped for a catalog without a benchmark
+PIPELINE = (*CATALOG_STAGES, "ranker", "folm-warmstart", "folm", "synthesis", "diffusion",
+            "routes")
 BUNDLE_PRESETS = ("cpu", "tiny", "gpu", "gpu-smoke")
 LLM_PRESETS = ("gpu", "gpu-smoke")  # the accelerator recipe (docs/gpu.md): they need an init
 RUN_KEY = "build-key.json"  # in a stage's run folder: the config and inputs it was started for
@@ -148,7 +152,8 @@ def stage_keys(catalog: CatalogConfig, configs: StageConfigs | None = None) -> d
     """{stage: the config its record's config_hash must be the hash of}, in build order;
     the catalog stages alone without `configs`."""
     keys: dict[str, dict] = {"catalog": _catalog_key(catalog), "lexical": LEXICAL_KEY,
-                             "benchmark": _benchmark_key(catalog)}
+                             "benchmark": _benchmark_key(catalog),
+                             "ranker": ranker_stage_config(RankerTrainConfig())}
     if configs is not None:
         from training.stage1_fanout.export import policy_stage_config
         from training.stage1_fanout.policy import POLICY_PRESETS
@@ -186,7 +191,7 @@ def plan_stages(
     plan: list[dict[str, str]] = []
     changing: list[str] = []
     for name in keys:
-        if name == "benchmark" and not has_benchmark:
+        if name in LABELED_STAGES and not has_benchmark:
             action, reason = "skip", "no benchmark for this catalog"
         elif force:
             present = name in manifest.get("stages", {})
@@ -209,7 +214,7 @@ def build_catalog(bundle_dir: Path, config: CatalogConfig, force: bool = False) 
     """Run the catalog and benchmark stages that are not current; return the manifest."""
     manifest = _build(Path(bundle_dir), config, None, force)
     stages = manifest.get("stages", {})
-    summary = {k: stages[k] for k in CATALOG_STAGES if k in stages}
+    summary = {k: stages[k] for k in (*CATALOG_STAGES, "ranker") if k in stages}
     print(json.dumps(summary, indent=2))
     return manifest
 
@@ -309,6 +314,8 @@ def _build(
     keys = stage_keys(config, configs)
     if configs is None and shipped is not None:  # no torch: the recipe the stages shipped with
         keys |= shipped.keys
+    if configs is not None or shipped is not None:  # a whole bundle: its routes, measured last
+        keys["routes"] = routes_stage_config()
     plan = plan_stages(manifest, keys, force, config.source == WORDNET or bool(config.benchmark))
     print(f"{bundle_dir}:" + "".join(f"\n  {format_step(step)}" for step in plan), flush=True)
     if progress:
@@ -461,6 +468,14 @@ def _build_benchmark(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
+def _build_ranker(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
+    return train_ranker(build.bundle_dir)
+
+
+def _build_routes(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
+    return select_routes(build.bundle_dir)
+
+
 def _build_warmstart(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     """Stage 1a: the warm start (`r4t train folm --warmstart-only`), exported to ONNX; with
     an init, that checkpoint as it is (the reference GRPO's KL holds the policy to)."""
@@ -549,6 +564,7 @@ def _build_diffusion(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
 
 BUILDERS: dict[str, Callable[[_Build, dict[str, Any]], dict[str, Any]]] = {
     "catalog": _build_catalog, "lexical": _build_lexical, "benchmark": _build_benchmark,
+    "ranker": _build_ranker, "routes": _build_routes,
     "folm-warmstart": _build_warmstart, "folm": _build_folm,
     "synthesis": _build_synthesis, "diffusion": _build_diffusion,
 }

@@ -19,8 +19,8 @@ from service.limits import (
 )
 from service.scheduling.trigger import FanoutMode
 
-Route = Literal["auto", "diffusion", "ar", "single"]
-ServedRoute = Literal["diffusion", "ar", "single"]
+Route = Literal["auto", "diffusion", "ranked", "ar", "single"]
+ServedRoute = Literal["diffusion", "ranked", "ar", "single"]
 
 RETRIEVE_EXAMPLE = {"query": "camping gear", "k": 10, "route": "auto", "user_id": "user-42"}
 

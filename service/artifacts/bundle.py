@@ -41,6 +41,7 @@ BUILD_STATUS = "build.json"  # progress of a running `build_bundle`, not checksu
 # A stage record's field naming what its files are a function of, where those files are not
 # byte-stable across machines (stage_hash)
 CONTENT_KEY = "content"
+ROUTES_FILE = "routes.json"  # the `routes` stage's choice: {"weights": R4T_ROUTES's form, ...}
 
 # The stages each stage reads. Stage 1 is `folm-warmstart` then `folm` (its GRPO policy),
 # stage 2 `synthesis` (a run folder, no bundle files), stage 3 `diffusion`.
@@ -48,19 +49,23 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "catalog": (),
     "lexical": ("catalog",),
     "benchmark": ("catalog",),
+    "ranker": ("catalog", "lexical", "benchmark"),  # trained on the labeled train queries
     # stages 1-3 read the lexical index through their prompts' candidates
     "folm-warmstart": ("catalog", "lexical", "benchmark"),
     "folm": ("catalog", "lexical", "benchmark", "folm-warmstart"),
     "llm": (),  # a pretrained GGUF policy (r4t llm): it reads no stage
     "synthesis": ("catalog", "lexical", "benchmark", "folm"),
     "diffusion": ("catalog", "lexical", "synthesis"),
+    # the default A/B weights, measured on val over the routes the bundle serves (ROUTES_FILE)
+    "routes": ("catalog", "lexical", "benchmark", "ranker", "folm", "diffusion"),
     # the catalog loaded into an external engine (`r4t index`): no files, a collection
     MILVUS_STAGE: ("catalog",),
 }
 # The command that builds each stage into a bundle (`{bundle}`: its folder)
 STAGE_COMMANDS: dict[str, str] = {
-    **dict.fromkeys(("catalog", "lexical", "benchmark"), "r4t --bundle {bundle} catalog"),
-    **dict.fromkeys(("folm-warmstart", "folm", "synthesis", "diffusion"),
+    **dict.fromkeys(("catalog", "lexical", "benchmark", "ranker"),
+                    "r4t --bundle {bundle} catalog"),
+    **dict.fromkeys(("folm-warmstart", "folm", "synthesis", "diffusion", "routes"),
                     "r4t --bundle {bundle} bundle"),
     "llm": "r4t --bundle {bundle} llm SOURCE",
 }
@@ -243,6 +248,12 @@ def stage_hash(manifest: dict[str, Any], name: str) -> str | None:
         "config_hash": record.get("config_hash"), "inputs": record.get("inputs"),
         "files": content,
     })
+
+
+def recorded_routes(bundle_dir: Path) -> str | None:
+    """The A/B weights the bundle's `routes` stage chose on its val split, if it has one."""
+    path = Path(bundle_dir) / ROUTES_FILE
+    return str(json.loads(path.read_text())["weights"]) if path.is_file() else None
 
 
 def stage_inputs(manifest: dict[str, Any], name: str) -> dict[str, str]:

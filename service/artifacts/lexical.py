@@ -141,20 +141,24 @@ class LexicalIndex:
         self._start = self._bm25.scores["indptr"].tolist()  # token → its postings' bounds
         self._postings = self._bm25.scores["indices"]  # (P,) rows, sorted within a token
         self._df = np.diff(self._bm25.scores["indptr"]).tolist()  # token → texts holding it
-        self._tokenizer = FtsTokenizer()
+        self.tokenizer = FtsTokenizer()
 
     def token_ids(self, query: str) -> list[int]:
         """The vocabulary ids of the query's searched words' tokens (unknown ones dropped)."""
-        tokens = (t for w in query_words(query, self.frequent) for t in self._tokenizer.tokens(w))
+        tokens = (t for w in query_words(query, self.frequent) for t in self.tokenizer.tokens(w))
         return [self.vocab[t] for t in tokens if t in self.vocab]
 
     def breadth(self, query: str) -> int:
-        """How many texts hold every searched word of the query (0 when it has none): the
+        """How many texts hold every searched word of the query (0 when it has none)."""
+        return len(self.mentions(query))
+
+    def mentions(self, query: str) -> np.ndarray:
+        """The rows (ascending) of the texts holding every searched word of the query: the
         rarest token's texts, kept where a binary search finds them in each other token's
         postings (sorted by row), one vectorised lookup per token."""
         ids = self.token_ids(query)
-        if len(ids) < 2:
-            return self._df[ids[0]] if ids else 0
+        if not ids:
+            return np.zeros(0, dtype=np.int64)
         ids.sort(key=self._df.__getitem__)
         start = self._start[ids[0]]
         common = self._postings[start : start + self._df[ids[0]]]  # (M,) the rarest's rows
@@ -162,7 +166,7 @@ class LexicalIndex:
             start, size = self._start[token], self._df[token]
             other = self._postings[start : start + size]  # (N,) sorted rows
             common = common[other[np.minimum(np.searchsorted(other, common), size - 1)] == common]
-        return len(common)
+        return common.astype(np.int64)
 
     def search(self, queries: Sequence[str], n: int) -> list[np.ndarray]:
         """Per query, up to n catalog rows whose text shares a word with it, best BM25 first."""
@@ -187,4 +191,4 @@ class LexicalIndex:
         return rows[np.lexsort((rows, -scores))][:n].astype(np.int64)
 
     def close(self) -> None:
-        self._tokenizer.close()  # the catalog's connection closed once read
+        self.tokenizer.close()  # the catalog's connection closed once read

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.artifacts.bundle import Bundle, load_bundle
+from service.artifacts.bundle import Bundle, load_bundle, recorded_routes
 from service.errors import (
     BundleError,
     DeadlineError,
@@ -40,6 +40,7 @@ from service.metrics import Metrics
 from service.paths.answer import PathAnswer, PathQuery
 from service.paths.autoregressive import AutoregressivePath, FanoutBackend, OnnxFanoutBackend
 from service.paths.diffusion import DiffusionPath, Sampler
+from service.paths.ranked import RankedPath
 from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
 from service.runtime.faults import FaultySampler
@@ -195,7 +196,8 @@ def load_paths(
         return DiffusionPath(bundle, encoder, sampler, settings.seed)
 
     builders: dict[str, Callable[[], RetrievalPath]] = {
-        "diffusion": diffusion, "ar": lambda: ar_path(settings, bundle, encoder, loaders)}
+        "diffusion": diffusion, "ranked": lambda: RankedPath(bundle, encoder),
+        "ar": lambda: ar_path(settings, bundle, encoder, loaders)}
     for route, build in builders.items():
         try:
             paths[route] = build()
@@ -218,7 +220,8 @@ class Retriever:
         self.paths, self.problems = paths, problems
         self.filter_fields = metadata_fields(bundle.items.metadata)
         self.batchers: dict[str, Batcher[PathQuery, PathAnswer]] = {}
-        self.router = Router(settings.route_weights, set(paths), settings.seed)
+        self.weights = settings.route_weights(recorded_routes(bundle.path))
+        self.router = Router(self.weights, set(paths), settings.seed)
         self.trigger = FanoutTrigger(bundle.lexical, settings.fanout_threshold,
                                      settings.fanout_lead)
         self.warm = False
@@ -287,7 +290,7 @@ class Retriever:
                     dropped.backend.close()
         if not self.paths:
             raise BundleError(f"no retrieval path survived warm-up: {self.problems}")
-        self.router = Router(self.settings.route_weights, set(self.paths), self.settings.seed)
+        self.router = Router(self.weights, set(self.paths), self.settings.seed)
         self.warm = True
         diffusion = self.paths.get("diffusion")
         if isinstance(diffusion, DiffusionPath) and isinstance(diffusion.sampler, FaultySampler):
@@ -322,6 +325,8 @@ class Retriever:
             "unavailable": self.problems,
             "providers": self.providers,
             "routing": {"weights": self.router.weights, "sticky_key": "user_id",
+                        "weights_from": "R4T_ROUTES" if self.settings.routes else
+                        "bundle" if recorded_routes(self.bundle.path) else "default",
                         "groundedness_threshold": self.settings.groundedness_threshold,
                         "fanout_trigger": self.trigger.describe()},
             "batching": {name: describe(b) for name, b in self.batchers.items()},

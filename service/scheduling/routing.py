@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 
 OVERRIDE_ARM = "override"
-ROUTE_ORDER = ("diffusion", "ar", "single")  # best first
+ROUTE_ORDER = ("diffusion", "ranked", "ar", "single")  # best first
 
 
 @dataclass(frozen=True)

@@ -93,9 +93,9 @@ def test_a_stage_config_change_rebuilds_it_and_its_downstream_only(built, tmp_pa
     configs = replace(tiny, synthesis=replace(tiny.synthesis, samples_per_query=4))
     manifest = build_bundle(bundle, config, presets=configs)
     assert plan_of(bundle) == {
-        "catalog": "current", "lexical": "current", "benchmark": "current",
+        "catalog": "current", "lexical": "current", "benchmark": "current", "ranker": "current",
         "folm-warmstart": "current", "folm": "current", "synthesis": "rebuild (config changed)",
-        "diffusion": "rebuild (synthesis changed)",
+        "diffusion": "rebuild (synthesis changed)", "routes": "rebuild (diffusion changed)",
     }
     old, new = first["stages"], manifest["stages"]
     for name in ("catalog", "lexical", "benchmark", "folm-warmstart", "folm"):
@@ -106,8 +106,9 @@ def test_a_stage_config_change_rebuilds_it_and_its_downstream_only(built, tmp_pa
     assert new["diffusion"]["finished"] >= old["diffusion"]["finished"]
     build_bundle(bundle, config, presets=configs)
     assert set(plan_of(bundle).values()) == {"current"}
-    build_bundle(bundle, config, presets=tiny)  # back to the preset: those two again
-    assert [s for s, a in plan_of(bundle).items() if a != "current"] == ["synthesis", "diffusion"]
+    build_bundle(bundle, config, presets=tiny)  # back to the preset: those two, then routes
+    assert [s for s, a in plan_of(bundle).items() if a != "current"] == ["synthesis", "diffusion",
+                                                                         "routes"]
 
 
 def test_a_catalog_change_rebuilds_every_stage_downstream(built, tmp_path, capsys) -> None:
@@ -306,7 +307,8 @@ def test_without_torch_a_build_adopts_shipped_stages_by_their_recorded_recipe(
     monkeypatch.setattr(ShippedStages, "for_preset", classmethod(lambda cls, p: None))
     with pytest.raises(BundleError, match="make bundle"):
         build_bundle(tmp_path / "bare", config, presets="tiny")
-    assert set(read_manifest(tmp_path / "bare")["stages"]) == {"catalog", "lexical", "benchmark"}
+    assert set(read_manifest(tmp_path / "bare")["stages"]) == {"catalog", "lexical", "benchmark",
+                                                                "ranker"}
 
 
 def test_ship_refuses_an_out_folder_that_holds_something_else(built, tmp_path) -> None:

@@ -6,7 +6,10 @@ hyponym branches. A user's benchmark is JSONL {"query": str, "groups": [[item id
 (groups optional; "target": the one item the query names, for a narrow query's hit@1). Splits
 are deterministic by query (80/10/10, fixed seed).
 
-The hierarchy is for evaluation only: training code calls `query_texts`, never `load_split`.
+Label-free stages read the query texts only (`query_texts`). The one supervised stage, the
+ranker, learns from the train queries' groups (a team's click or judgment logs), and only from
+those that share no item with a val or test query (`disjoint_train`): WordNet's broad queries
+nest, and most held-out items sit in some train query's groups.
 """
 
 from __future__ import annotations
@@ -110,11 +113,22 @@ def write_splits(splits: dict[str, list[BenchmarkQuery]], directory: Path) -> li
 
 
 def load_split(bundle_dir: Path, split: str) -> list[BenchmarkQuery]:
-    """Queries with their reference groups — for evaluation only."""
+    """Queries with their reference groups: evaluation's, and the ranker's via
+    `disjoint_train`."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = bundle_dir / BENCHMARK_DIR / f"{split}.jsonl"
     return [_from_record(json.loads(line)) for line in path.read_text().splitlines() if line]
+
+
+def disjoint_train(bundle_dir: Path) -> list[BenchmarkQuery]:
+    """The train queries whose items (and own id) appear in no val or test query."""
+    def items(query: BenchmarkQuery) -> set[str]:
+        return query.reference | ({query.id} if query.id else set())
+
+    held = set().union(*(items(q) for split in ("val", "test") for q in load_split(bundle_dir,
+                                                                                   split)))
+    return [q for q in load_split(bundle_dir, "train") if q.groups and not items(q) & held]
 
 
 def query_texts(bundle_dir: Path, split: str = "train") -> list[str]:

@@ -19,6 +19,7 @@ from service.fanout.candidates import Candidates, candidate_rows
 from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.reward import RewardWeights, vendi_score
 from service.paths.answer import PathAnswer, PathQuery
+from service.paths.ranked import RankedPath
 from service.paths.resolution import resolve_items
 from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
@@ -237,7 +238,18 @@ def prompt_names(bundle: Bundle, k: int = 10, n: int | None = None,
     return run
 
 
+def ranked(bundle: Bundle, k: int = 10) -> Method:
+    """The served `ranked` route (the learned ranker over mentions); its candidates are the
+    rows it chose from."""
+    path = RankedPath(bundle, Encoder(bundle.encoder_config))
+
+    def candidates(texts: list[str], queries: np.ndarray) -> list[np.ndarray]:
+        return [rows for rows, _ in path.features.candidates(texts, queries)]
+
+    return path_method(bundle, path, k, candidates)
+
+
 BASELINES: dict[str, Callable[..., Method]] = {
     "single": single, "mmr": mmr, "reward-greedy": reward_greedy, "prompt-names": prompt_names,
-    "hybrid-names": hybrid_names, "mmr-hybrid": mmr_hybrid,
+    "hybrid-names": hybrid_names, "mmr-hybrid": mmr_hybrid, "ranked": ranked,
 }

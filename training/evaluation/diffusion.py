@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from service.artifacts.bundle import Bundle
 from service.paths.diffusion import DiffusionPath
@@ -33,6 +32,8 @@ from training.evaluation.baselines import Method, path_method
 
 def composed_sampler_dir(diffusion_dir: Path, solver: str, steps: int, form: str) -> Path:
     """A temporary folder holding a sampler with another schedule, composed from step.onnx."""
+    import onnx  # the train extra's
+
     from training.stage3_diffusion.export import compose_sampler, sampler_evaluations_flops
 
     config = read_config(diffusion_dir)

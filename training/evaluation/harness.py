@@ -61,6 +61,7 @@ METHOD_STAGES: dict[str, tuple[str | tuple[str, ...], ...]] = {
     **dict.fromkeys(("hybrid-names", "mmr-hybrid"), (_PROMPTED,)),
     **dict.fromkeys(("folm-warmstart", "best-of-5"), (_PROMPTED, "folm-warmstart")),
     "folm": (_PROMPTED, "folm"),
+    "ranked": (_PROMPTED, "ranker"),
     **dict.fromkeys(LLM_METHODS, (_PROMPTED, "llm")),
     **dict.fromkeys(("diffusion", "auto", "diffusion-led"), (_PROMPTED, "diffusion")),
     **dict.fromkeys(("auto-ar", "ar-led"), (_PROMPTED, AR_POLICY)),

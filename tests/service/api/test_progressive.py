@@ -23,12 +23,17 @@ def catalog_only(small_bundle_dir: Path, tmp_path: Path) -> Path:
     return target
 
 
-def test_a_catalog_alone_serves_the_single_route(settings_for, catalog_only):
+def test_a_catalog_alone_serves_the_ranked_and_single_routes(settings_for, catalog_only):
     settings = settings_for(bundle=catalog_only, openai_base_url=None)
     with live_server(settings) as live, live.client() as client:
         ready = client.get("/readyz").json()
-        assert ready["routes"] == ["single"]
-        body = client.post("/v1/retrieve", json={"query": "fish", "k": 7}).json()
+        assert ready["routes"] == ["ranked", "single"]  # the ranker is a catalog stage
+        ranked = client.post("/v1/retrieve", json={"query": "fish", "k": 7}).json()
+        assert_k_unique(ranked, 7)
+        assert ranked["route"] == "ranked"  # no configured arm loaded: the best loaded route
+        assert ranked["fallback"]["used"] is False and ranked["groundedness"] == 1.0
+        body = client.post("/v1/retrieve", json={"query": "fish", "k": 7,
+                                                 "route": "single"}).json()
         assert_k_unique(body, 7)
         assert body["route"] == "single" and body["fallback"]["used"] is False
         assert {item["slot"] for item in body["items"]} == {0}  # one probe: the query
@@ -57,7 +62,7 @@ def test_a_watched_bundle_switches_to_diffusion_when_its_stage_lands(settings_fo
                     routes.append(response.json()["route"])
 
     with live_server(settings) as live, live.client() as client:
-        assert client.get("/readyz").json()["routes"] == ["single"]
+        assert client.get("/readyz").json()["routes"] == ["ranked", "single"]
         worker = threading.Thread(target=hammer, args=(live.url,))
         worker.start()
         try:
@@ -77,5 +82,5 @@ def test_a_watched_bundle_switches_to_diffusion_when_its_stage_lands(settings_fo
             stop.set()
             worker.join(timeout=30)
         assert set(statuses) == {200}  # nothing failed while the bundle was swapped
-        assert routes[0] == "single" and routes[-1] == "diffusion"
+        assert routes[0] == "ranked" and routes[-1] == "diffusion"
         assert client.get("/v1/info").json()["reload"]["state"] == "succeeded"

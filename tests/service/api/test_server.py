@@ -51,7 +51,7 @@ def test_settings_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("R4T_ROUTES", "diffusion=3,ar=1")
     monkeypatch.setenv("R4T_MAX_BATCH_SIZE", "8")
     settings = Settings()
-    assert settings.route_weights == {"diffusion": 3.0, "ar": 1.0}
+    assert settings.route_weights() == {"diffusion": 3.0, "ar": 1.0}
     assert settings.max_batch_size == 8 and settings.provider_list is None
     assert "admin_token" not in settings.public()
 

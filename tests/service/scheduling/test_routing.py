@@ -72,7 +72,7 @@ def test_unloaded_arms_are_dropped():
 ])
 def test_without_a_loaded_arm_everything_goes_to_the_best_loaded_route(weights, available,
                                                                          best):
-    assert ROUTE_ORDER == ("diffusion", "ar", "single")
+    assert ROUTE_ORDER == ("diffusion", "ranked", "ar", "single")
     router = Router(weights, available, seed=0)
     assert router.weights == {best: 1.0}
     users = [router.assign(f"u{i}") for i in range(50)]

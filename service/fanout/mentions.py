@@ -1,0 +1,108 @@
+"""What the catalog's own text says about a query's candidates: the `ranked` route's inputs.
+
+A broad query's members rarely sit near it in embedding space ("camp" → "campsite"), but their
+texts name it, and where they name it says how: WordNet's "tent: a portable shelter ..." is a
+kind of shelter because "shelter" is the head of its gloss. Candidates are the hybrid list
+(service.fanout.candidates) and the items whose text holds every word of the query, the nearest
+`mentions` of them by embedding; each gets one feature row (FEATURES). One definition for the
+ranker's training (training/stage1_fanout/ranker.py), its evaluation and the served route.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.artifacts.bundle import Bundle
+from service.artifacts.lexical import WORD, LexicalIndex
+from service.fanout.candidates import Candidates
+from service.fanout.format import item_name
+
+FEATURES = (
+    "similarity",  # cos(query, item)
+    "hybrid_rank",  # rank in the hybrid list (ABSENT_RANK when not in it)
+    "mentions",  # 1 when the item's text holds every word of the query
+    "mention_position",  # first word of the description naming the query (ABSENT_RANK: none)
+    "early_mention",  # 1 when that word is among the description's first EARLY words
+    "log_name_fanin",  # ln(1 + texts holding the item's name): how category-like it is
+    "name_words",  # words in the item's name
+    "name_holds_query",  # 1 when the item's name shares a word with the query
+    "head_match",  # 1 when the item's name ends with the query's last word
+    "text_words",  # words in the item's text
+)
+ABSENT_RANK = 99.0
+EARLY = 3  # "a portable shelter": the genus sits in a gloss's first words
+
+
+@dataclass(frozen=True)
+class CandidateSizes:
+    """How many candidates each source gives a query."""
+
+    hybrid: int = 50
+    mentions: int = 300
+
+
+class MentionFeatures:
+    """A query's candidate rows and their feature rows (C, len(FEATURES))."""
+
+    def __init__(self, bundle: Bundle, sizes: CandidateSizes = CandidateSizes()) -> None:
+        if bundle.lexical is None:
+            raise ValueError("mention features need the bundle's lexical index")
+        self.lexical: LexicalIndex = bundle.lexical
+        self.hybrid = Candidates.of(bundle, "hybrid")
+        self.texts, self.embeddings, self.sizes = bundle.items.texts, bundle.items.embeddings, sizes
+        self.name_fanin = functools.lru_cache(maxsize=1 << 17)(self._name_fanin)
+
+    def candidates(self, texts: Sequence[str],
+                   queries: np.ndarray) -> list[tuple[np.ndarray, int]]:
+        """Per query (texts, embeddings (Q, d)): distinct catalog rows, the hybrid list first,
+        then the mentions nearest the query that it lacks; and the hybrid list's length."""
+        hybrid = self.hybrid.rows(texts, queries, self.sizes.hybrid)
+        out = []
+        for text, query, listed in zip(texts, queries, hybrid, strict=True):
+            mentions = self.lexical.mentions(text)
+            if len(mentions) > self.sizes.mentions:  # the nearest of a broad word's thousands
+                near = np.argpartition(-(self.embeddings[mentions] @ query), self.sizes.mentions)
+                mentions = np.sort(mentions[near[: self.sizes.mentions]])
+            rows = dict.fromkeys([*listed.tolist(), *mentions.tolist()])
+            out.append((np.array(list(rows), dtype=np.int64), len(listed)))
+        return out
+
+    def features(self, text: str, query: np.ndarray, rows: np.ndarray,
+                 hybrid: int) -> np.ndarray:
+        """(C, F) float32 for one query's candidate rows, the first `hybrid` of them its
+        hybrid list in order."""
+        asked = self.tokens(text)
+        mentioned = set(self.lexical.mentions(text).tolist())
+        similarity = self.embeddings[rows] @ query  # (C,)
+        table = np.empty((len(rows), len(FEATURES)), dtype=np.float32)
+        for j, row in enumerate(rows.tolist()):
+            table[j] = self._row(row, j, asked, row in mentioned, float(similarity[j]),
+                                 j < hybrid)
+        return table
+
+    def _row(self, row: int, rank: int, asked: list[str], mentions: bool, similarity: float,
+             listed: bool) -> list[float]:
+        text = self.texts[row]
+        name = self.tokens(item_name(text))
+        _, colon, gloss = text.partition(":")
+        described = self.tokens(gloss) if colon else self.tokens(text)
+        position = next((i for i, t in enumerate(described) if t in asked), None)
+        return [similarity, rank if listed else ABSENT_RANK, float(mentions),
+                ABSENT_RANK if position is None else position,
+                float(position is not None and position < EARLY),
+                math.log1p(self.name_fanin(row)), len(name), float(bool(set(name) & set(asked))),
+                float(bool(name) and bool(asked) and name[-1] == asked[-1]),
+                len(self.tokens(text))]
+
+    def tokens(self, text: str) -> list[str]:
+        """The text's index tokens, in order, repeats kept (the lexical index's stemming)."""
+        tokenize = self.lexical.tokenizer.tokens
+        return [t for word in WORD.findall(text.lower()) for t in tokenize(word)]
+
+    def _name_fanin(self, row: int) -> int:
+        return self.lexical.breadth(item_name(self.texts[row]))

@@ -1,0 +1,93 @@
+"""The `ranked` route's chooser: score each candidate (service.fanout.mentions), then pick k
+greedily, each pick's score lowered by its redundancy (highest cosine to an item already
+picked) times `redundancy`: a set spread over a query's branches, not its best ten.
+
+The scorer is the bundle's `ranker` stage: a LightGBM lambdarank model trained on the labeled
+train queries (training/stage1_fanout/ranker.py), or, for a catalog whose benchmark has no
+labels, the label-free mention order (an early mention of the query, then similarity).
+LightGBM is used as is: a well-kept ranker whose text model file any version reads.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.errors import BundleError
+from service.fanout.mentions import FEATURES, CandidateSizes
+
+RANKER_DIR = "ranker"
+RANKER_CONFIG = "ranker.json"
+RANKER_MODEL = "model.txt"
+LABEL_FREE_WEIGHT = 5.0  # the label-free order: −position + this × similarity
+
+
+@dataclass(frozen=True)
+class RankerConfig:
+    """The served contract of a ranker stage (ranker.json); `model` is None when label-free."""
+
+    sizes: CandidateSizes = field(default_factory=CandidateSizes)
+    redundancy: float = 1.0  # λ: a pick's score − λ × its highest cosine to an earlier pick
+    features: tuple[str, ...] = FEATURES
+    model: str | None = RANKER_MODEL
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "features": list(self.features)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankerConfig:
+        return cls(sizes=CandidateSizes(**data.get("sizes", {})),
+                   redundancy=float(data.get("redundancy", 1.0)),
+                   features=tuple(data.get("features", FEATURES)), model=data.get("model"))
+
+
+class Ranker:
+    """Candidate scores from features (C, F), and the greedy set choice over them."""
+
+    def __init__(self, config: RankerConfig, booster: Any | None = None) -> None:
+        if config.features != FEATURES:
+            raise BundleError(f"the ranker was trained on features {list(config.features)}, "
+                              f"this service computes {list(FEATURES)}: rebuild it with "
+                              "`r4t train ranker`")
+        self.config, self.booster = config, booster
+        self._lock = threading.Lock()  # one LightGBM prediction at a time per model
+
+    @classmethod
+    def load(cls, directory: Path) -> Ranker:
+        """The ranker stage in `directory` (a BundleError when it is not there)."""
+        path = directory / RANKER_CONFIG
+        if not path.is_file():
+            raise BundleError(f"bundle has no {RANKER_DIR}/{RANKER_CONFIG}")
+        config = RankerConfig.from_dict(json.loads(path.read_text()))
+        if config.model is None:
+            return cls(config)
+        import lightgbm  # ImportError: the route is left out, as a missing runtime is
+
+        return cls(config, lightgbm.Booster(model_file=str(directory / config.model)))
+
+    def score(self, features: np.ndarray) -> np.ndarray:
+        """(C,) higher is better, for features (C, F)."""
+        if self.booster is None:
+            position = features[:, FEATURES.index("mention_position")]
+            similarity = features[:, FEATURES.index("similarity")]
+            return -position + LABEL_FREE_WEIGHT * similarity
+        with self._lock:
+            return np.asarray(self.booster.predict(features, num_threads=1), dtype=np.float64)
+
+    def choose(self, scores: np.ndarray, embeddings: np.ndarray, k: int) -> list[int]:
+        """Positions of k candidates (embeddings (C, d) unit rows), picked greedily by score
+        minus redundancy × the highest cosine to the picks so far."""
+        redundancy = np.zeros(len(scores))  # (C,)
+        chosen: list[int] = []
+        for _ in range(min(k, len(scores))):
+            value = scores - self.config.redundancy * redundancy
+            value[chosen] = -np.inf
+            best = int(np.argmax(value))
+            chosen.append(best)
+            redundancy = np.maximum(redundancy, embeddings @ embeddings[best])
+        return chosen

@@ -1,0 +1,58 @@
+"""A bundle serves the route that measured best on its own val split (its `routes` stage),
+unless R4T_ROUTES says otherwise."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from service.artifacts.bundle import ROUTES_FILE, read_manifest
+from tests.service.conftest import live_server
+from training.evaluation.routes import RoutesConfig, choose, select_routes, weights
+
+CONFIG = RoutesConfig()
+
+
+def row(coverage: float, recall: float) -> dict[str, float]:
+    return {"coverage@10": coverage, "recall@5k": recall}
+
+
+@pytest.mark.parametrize("table, best", [
+    ({"diffusion": row(0.21, 0.62), "ranked": row(0.28, 0.63), "single": row(0.16, 0.57)},
+     "ranked"),
+    ({"diffusion": row(0.21, 0.62), "ranked": row(0.28, 0.50), "single": row(0.16, 0.57)},
+     "diffusion"),  # the ranked route loses recall to single: not a fair winner
+    ({"ranked": row(0.28, 0.50), "single": row(0.16, 0.57)}, "single"),
+])
+def test_the_best_fanout_that_keeps_singles_recall_wins(table, best):
+    assert choose(table, CONFIG) == best
+
+
+def test_weights_keep_the_ar_arm_only_where_there_is_one():
+    assert weights("ranked", True, CONFIG) == "ranked=0.9,ar=0.1"
+    assert weights("ranked", False, CONFIG) == "ranked=1"
+    assert weights("single", True, CONFIG) == "single=1"
+
+
+def test_the_measured_choice_is_served_and_r4t_routes_overrides_it(serving_bundle, tmp_path,
+                                                                    settings_for):
+    bundle = tmp_path / "measured"
+    shutil.copytree(serving_bundle, bundle)
+    select_routes(bundle)
+    measured = json.loads((bundle / ROUTES_FILE).read_text())
+    assert set(measured["table"]) == {"diffusion", "ranked", "single"}
+    assert read_manifest(bundle)["stages"]["routes"]["weights"] == measured["weights"]
+    best = measured["weights"].split("=")[0]
+    assert best == choose(measured["table"], CONFIG)
+    with live_server(settings_for(bundle=bundle, routes=None)) as live, live.client() as client:
+        routing = client.get("/v1/info").json()["served"]["routing"]
+        assert routing["weights_from"] == "bundle"
+        assert max(routing["weights"], key=routing["weights"].get) == best
+        answer = client.post("/v1/retrieve", json={"query": "tree", "user_id": "u1"}).json()
+        assert answer["arm"] in routing["weights"]
+    with live_server(settings_for(bundle=bundle, routes="single=1")) as live, \
+            live.client() as client:
+        routing = client.get("/v1/info").json()["served"]["routing"]
+        assert (routing["weights_from"], routing["weights"]) == ("R4T_ROUTES", {"single": 1.0})

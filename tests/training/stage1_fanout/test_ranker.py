@@ -1,0 +1,50 @@
+"""The ranker stage: trained only on train queries disjoint from val and test, tuned on val,
+recorded so the served route reads what was trained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from service.artifacts.bundle import load_bundle, read_manifest
+from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranker
+from service.paths.answer import PathQuery
+from service.paths.ranked import RankedPath
+from service.runtime.encoder import Encoder
+from training.data.splits import BENCHMARK_DIR, BenchmarkQuery, disjoint_train
+from training.stage1_fanout.ranker import RankerTrainConfig, ranker_stage_config
+
+
+def write_split(bundle: Path, split: str, queries: list[BenchmarkQuery]) -> None:
+    (bundle / BENCHMARK_DIR).mkdir(parents=True, exist_ok=True)
+    (bundle / BENCHMARK_DIR / f"{split}.jsonl").write_text(
+        "".join(q.to_json() + "\n" for q in queries))
+
+
+def test_train_queries_sharing_an_item_with_val_or_test_are_left_out(tmp_path):
+    write_split(tmp_path, "val", [BenchmarkQuery("tree", [["oak", "elm"]], id="t")])
+    write_split(tmp_path, "test", [BenchmarkQuery("fish", [["cod"]], id="f")])
+    write_split(tmp_path, "train", [
+        BenchmarkQuery("oak", [["red oak"], ["elm"]], id="o"),  # holds a val item
+        BenchmarkQuery("plant", [["shrub"], ["t"]], id="p"),  # holds the val query itself
+        BenchmarkQuery("cod", [["atlantic cod"]], id="cod"),  # is a test item
+        BenchmarkQuery("bird", [["robin"], ["wren"]], id="b"),
+        BenchmarkQuery("rock", [], id="r"),  # no labels: nothing to learn
+    ])
+    assert [q.query for q in disjoint_train(tmp_path)] == ["bird"]
+
+
+def test_the_small_bundle_ranker_is_trained_recorded_and_served(small_bundle_dir):
+    record = read_manifest(small_bundle_dir)["stages"]["ranker"]
+    assert record["config"] == ranker_stage_config(RankerTrainConfig())
+    assert record["n_train_queries"] == len(disjoint_train(small_bundle_dir)) > 0
+    served = json.loads((small_bundle_dir / RANKER_DIR / RANKER_CONFIG).read_text())
+    assert served["model"] == RANKER_MODEL
+    assert served["redundancy"] in RankerTrainConfig().redundancies
+    tried = served["trained"]["val_coverage@10_by_redundancy"]
+    assert record["val_coverage@10"] == max(tried.values())
+    bundle = load_bundle(small_bundle_dir)
+    ranker = Ranker.load(small_bundle_dir / RANKER_DIR)
+    assert ranker.booster is not None
+    [answer] = RankedPath(bundle, Encoder(bundle.encoder_config), ranker)([PathQuery("tree", 5)])
+    assert len(set(answer.selection.rows)) == 5 and answer.selection.filled == 0
