@@ -2,7 +2,7 @@
 // Plain DOM code, no build step; every text from the service goes through textContent.
 "use strict";
 
-const ROUTES = ["single", "diffusion", "ar"];
+const ROUTES = ["single", "ranked", "diffusion", "ar"];
 
 function el(tag, className, text) {
   const node = document.createElement(tag);
@@ -35,6 +35,7 @@ function why(item, answer) {
   if (answer.route === "ar" && answer.subqueries && answer.subqueries[item.slot] !== undefined) {
     return `sub-query ${item.slot}: “${answer.subqueries[item.slot]}”`;
   }
+  if (answer.route === "ranked") return `pick ${item.slot + 1}`;
   return answer.route === "single" ? "the query itself" : `row ${item.slot}`;
 }
 
@@ -86,7 +87,7 @@ async function compare(event) {
   const elapsed = Math.round(performance.now() - started);
   const status = document.getElementById("elapsed");
   status.dataset.ms = String(elapsed);
-  status.textContent = `all three answered in ${elapsed} ms (in the browser)`;
+  status.textContent = `all four answered in ${elapsed} ms (in the browser)`;
   const single = results[0].status === "fulfilled" ? results[0].value : null;
   const singleIds = single ? new Set(single.items.map((item) => item.id)) : null;
   results.forEach((result, i) => {

@@ -14,7 +14,7 @@ from tests.service.conftest import ADMIN_TOKEN, live_server, serve_process
 CHROMIUM = shutil.which("chromium")
 CHROMEDRIVER = shutil.which("chromedriver")
 ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts"
-ROUTES = ("single", "diffusion", "ar")
+ROUTES = ("single", "ranked", "diffusion", "ar")
 WAIT_S = 60.0
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None or CHROMEDRIVER is None,
@@ -82,7 +82,7 @@ def column(driver, route: str):
 
 
 @needs_chromium
-def test_the_three_routes_fill_side_by_side(served, browser, benchmark_queries):
+def test_the_four_routes_fill_side_by_side(served, browser, benchmark_queries):
     from selenium.webdriver.common.by import By
 
     query = benchmark_queries[0].query
