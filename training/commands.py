@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from service.arguments import positive
+from service.paths.diffusion import CONTEXT_SOURCES
 from training.device import DEVICES
 
 
@@ -42,9 +43,9 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--preset", default="cpu",
                        help="training and denoiser preset: cpu, paper or tiny "
                             "(default: %(default)s)")
-    train.add_argument("--context-source", default=None, choices=("nearest", "prompt"),
-                       help="the context items: the prompt's or the query's nearest "
-                            "(default: the preset's)")
+    train.add_argument("--context-source", default=None, choices=CONTEXT_SOURCES,
+                       help="the context items: the query's nearest, the prompt's, or the "
+                            "ranker's best (default: the preset's)")
     for size, what in (("layers", "transformer blocks"), ("hidden", "width"),
                        ("mlp", "MLP width"), ("heads", "attention heads; divide --hidden")):
         train.add_argument(f"--{size}", type=positive, default=None,

@@ -56,6 +56,7 @@ class MentionFeatures:
         self.hybrid = Candidates.of(bundle, "hybrid")
         self.texts, self.embeddings, self.sizes = bundle.items.texts, bundle.items.embeddings, sizes
         self.name_fanin = functools.lru_cache(maxsize=1 << 17)(self._name_fanin)
+        self.parts = functools.lru_cache(maxsize=1 << 17)(self._parts)
 
     def candidates(self, texts: Sequence[str],
                    queries: np.ndarray) -> list[tuple[np.ndarray, int]]:
@@ -87,17 +88,21 @@ class MentionFeatures:
 
     def _row(self, row: int, rank: int, asked: list[str], mentions: bool, similarity: float,
              listed: bool) -> list[float]:
-        text = self.texts[row]
-        name = self.tokens(item_name(text))
-        _, colon, gloss = text.partition(":")
-        described = self.tokens(gloss) if colon else self.tokens(text)
+        name, described, size = self.parts(row)
         position = next((i for i, t in enumerate(described) if t in asked), None)
         return [similarity, rank if listed else ABSENT_RANK, float(mentions),
                 ABSENT_RANK if position is None else position,
                 float(position is not None and position < EARLY),
                 math.log1p(self.name_fanin(row)), len(name), float(bool(set(name) & set(asked))),
-                float(bool(name) and bool(asked) and name[-1] == asked[-1]),
-                len(self.tokens(text))]
+                float(bool(name) and bool(asked) and name[-1] == asked[-1]), size]
+
+    def _parts(self, row: int) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+        """An item's name tokens, its description's tokens (after the first colon, else the
+        whole text) and its text's token count: per item, not per query."""
+        text = self.texts[row]
+        _, colon, gloss = text.partition(":")
+        described = self.tokens(gloss) if colon else self.tokens(text)
+        return tuple(self.tokens(item_name(text))), tuple(described), len(self.tokens(text))
 
     def tokens(self, text: str) -> list[str]:
         """The text's index tokens, in order, repeats kept (the lexical index's stemming)."""

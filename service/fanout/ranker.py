@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from service.artifacts.bundle import Bundle
 from service.errors import BundleError
-from service.fanout.mentions import FEATURES, CandidateSizes
+from service.fanout.mentions import FEATURES, CandidateSizes, MentionFeatures
 
 RANKER_DIR = "ranker"
 RANKER_CONFIG = "ranker.json"
@@ -91,3 +93,40 @@ class Ranker:
             chosen.append(best)
             redundancy = np.maximum(redundancy, embeddings @ embeddings[best])
         return chosen
+
+
+class ScoredCandidates:
+    """Each query's candidates (service.fanout.mentions) and the bundle's ranker's scores of
+    them: what the ranked route chooses from, and the context a student distilled from the
+    ranker attends to (`best`)."""
+
+    def __init__(self, bundle: Bundle, ranker: Ranker | None = None) -> None:
+        self.ranker = ranker or Ranker.load(bundle.path / RANKER_DIR)
+        self.features = MentionFeatures(bundle, self.ranker.config.sizes)
+
+    def __call__(self, texts: Sequence[str], queries: np.ndarray
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per query (texts, embeddings (Q, d)): its candidate rows (C,) and scores (C,)."""
+        return [(rows, self.ranker.score(self.features.features(text, query, rows, listed)))
+                for text, query, (rows, listed) in zip(
+                    texts, queries, self.features.candidates(texts, queries), strict=True)]
+
+    def best(self, texts: Sequence[str], queries: np.ndarray, n: int) -> np.ndarray:
+        """(Q, n) int64: each query's n best-scored rows, best first; a query with fewer
+        candidates repeats them in order (a fixed shape)."""
+        out = np.empty((len(texts), n), dtype=np.int64)
+        for i, (rows, scores) in enumerate(self(texts, queries)):
+            ranked = rows[np.argsort(-scores, kind="stable")]
+            out[i] = ranked[np.arange(n) % len(ranked)]
+        return out
+
+
+class RankedNeighbourhood:
+    """The n items a ranker-distilled student attends to: the ranker's best n candidates
+    (context_source "ranked"), as `PromptNeighbourhood` gives a policy's prompt names."""
+
+    def __init__(self, bundle: Bundle, n: int) -> None:
+        self.scored, self.n = ScoredCandidates(bundle), int(n)
+
+    def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
+        return self.scored.best(texts, queries, self.n)  # (Q, n)

@@ -1,9 +1,9 @@
-"""The diffusion route: encode → the sampler's context (the query's nearest items or the items
-the fan-out prompt names, as `context_source` in diffusion.json says) → the exported sampler
-(whole solver loop in ONNX Runtime; with `draws` D > 1 over the batch repeated D times, a row
-that repeats an item replaced from the next draw) → k distinct items claimed by the rows: among
-the context, the items the student was trained to choose from, when the model has one
-(`resolve_in_context`), else among the whole catalog."""
+"""The diffusion route: encode → the sampler's context (the query's nearest items, the items
+the fan-out prompt names or the ranker's best, as `context_source` in diffusion.json says) →
+the exported sampler (whole solver loop in ONNX Runtime; with `draws` D > 1 over the batch
+repeated D times, a row that repeats an item replaced from the next draw) → k distinct items
+claimed by the rows: among the context, the items the student was trained to choose from, when
+the model has one (`resolve_in_context`), else among the whole catalog."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from service.artifacts.bundle import Bundle
 from service.errors import BundleError
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
+from service.fanout.ranker import RankedNeighbourhood
 from service.paths.answer import PathAnswer, PathQuery, StageClock, selection_notes, stamp
 from service.paths.resolution import (
     first_distinct_rows,
@@ -38,14 +39,15 @@ class Sampler(Protocol):
                context: np.ndarray | None = None) -> np.ndarray: ...
 
 
-CONTEXT_SOURCES = ("nearest", "prompt")
+CONTEXT_SOURCES = ("nearest", "prompt", "ranked")
 
 
 class DiffusionContext:
     """What the served sampler attends to besides the query: the embeddings (B, C, d) of C
     catalog items per query, or None when its model has no context. The source is recorded at
     export (`context_source` in diffusion.json): "nearest", the query's C nearest items (one
-    search), or "prompt", the C items the fan-out prompt names (`PromptNeighbourhood`)."""
+    search), "prompt", the C items the fan-out prompt names (`PromptNeighbourhood`), or
+    "ranked", the ranker's best C candidates (`RankedNeighbourhood`)."""
 
     def __init__(self, bundle: Bundle, config: dict[str, Any]) -> None:
         self.bundle, self.n = bundle, int(config.get("context", 0))
@@ -53,8 +55,10 @@ class DiffusionContext:
         if self.source not in CONTEXT_SOURCES:
             raise BundleError(f"unknown diffusion context source {self.source!r}; "
                               f"use one of {CONTEXT_SOURCES}")
-        self.prompt: PromptNeighbourhood | None = None
-        if self.n and self.source == "prompt":
+        self.prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
+        if self.n and self.source == "ranked":  # a student distilled from the ranker
+            self.prompt = RankedNeighbourhood(bundle, self.n)
+        elif self.n and self.source == "prompt":
             source = str(config.get("candidates", DEFAULT_SOURCE))
             self.prompt = PromptNeighbourhood(Candidates.of(bundle, source), bundle.items.texts,
                                               bundle.items.embeddings, self.n)

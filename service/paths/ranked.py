@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.bundle import Bundle
-from service.fanout.mentions import MentionFeatures
-from service.fanout.ranker import RANKER_DIR, Ranker
+from service.fanout.ranker import Ranker, ScoredCandidates
 from service.paths.answer import PathAnswer, PathQuery, StageClock, selection_notes, stamp
 from service.paths.resolution import Selection, fill_short, lead_with_nearest, resolve_items
 from service.runtime.encoder import Encoder
@@ -25,8 +24,8 @@ class RankedPath:
 
     def __init__(self, bundle: Bundle, encoder: Encoder, ranker: Ranker | None = None) -> None:
         self.bundle, self.encoder = bundle, encoder
-        self.ranker = ranker or Ranker.load(bundle.path / RANKER_DIR)
-        self.features = MentionFeatures(bundle, self.ranker.config.sizes)
+        self.scored = ScoredCandidates(bundle, ranker)
+        self.ranker, self.features = self.scored.ranker, self.scored.features
         self.providers = [bundle.index.backend]
 
     def describe(self) -> dict[str, Any]:
@@ -35,13 +34,9 @@ class RankedPath:
     def choose(self, texts: Sequence[str], queries: np.ndarray, ks: Sequence[int]
                ) -> list[np.ndarray]:
         """Per query (texts, embeddings (Q, d)), up to k chosen catalog rows, in pick order."""
-        chosen = []
-        for text, query, k, (rows, listed) in zip(
-                texts, queries, ks, self.features.candidates(texts, queries), strict=True):
-            scores = self.ranker.score(self.features.features(text, query, rows, listed))
-            picks = self.ranker.choose(scores, self.bundle.items.embeddings[rows], k)
-            chosen.append(rows[picks])
-        return chosen
+        embeddings = self.bundle.items.embeddings
+        return [rows[self.ranker.choose(scores, embeddings[rows], k)]
+                for k, (rows, scores) in zip(ks, self.scored(texts, queries), strict=True)]
 
     def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
         clock = StageClock()

@@ -57,6 +57,7 @@ SYNTHESIS_RUN = "synthesis"
 SHARDS = "shards"
 POLICY_ONNX = "policy-onnx"  # the policy exported for the local backend, in the run folder
 BACKENDS = ("local", "torch", "http", "vllm", "auto")
+TEACHERS = ("folm", "ranker", "oracle")  # `--teacher`: the policy, or stage2_synthesis/teachers
 
 
 @dataclass(frozen=True)
@@ -530,6 +531,15 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         keep_top_frac=args.keep_top_frac, threads=args.threads, seed=args.seed,
         decoding=args.decoding,
     )
+    if args.teacher != "folm":  # an experiment beside the bundle's own stage 2
+        from training.stage2_synthesis.teachers import synthesize_blocks
+
+        if not args.run_dir:
+            raise InputError(f"--teacher {args.teacher} writes an experiment's dataset: name "
+                             "its --run-dir (then `r4t train diffusion --dataset DIR "
+                             "--context-source ranked`)")
+        synthesize_blocks(args.bundle, args.teacher, config, args.context, Path(args.run_dir))
+        return
     from training.stage1_fanout.export import default_checkpoint
 
     checkpoint = (Path(args.checkpoint) if args.checkpoint
@@ -572,5 +582,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     syn.add_argument("--run-dir", default=None, help="default models/<bundle>/runs/synthesis")
     syn.add_argument("--limit", type=int, default=None, help="first N training queries")
     syn.add_argument("--seed", type=int, default=SynthesisConfig.seed)
+    syn.add_argument("--teacher", default="folm", choices=TEACHERS,
+                     help="folm: sample the policy (the bundle's stage 2); ranker: sample the "
+                          "bundle's ranker; oracle: blocks of one item per labeled group (a "
+                          "positive control), both among the ranker's best --context items")
+    syn.add_argument("--context", type=int, default=24,
+                     help="--teacher ranker|oracle: the student's context size")
     syn.add_argument("--threads", type=int, default=SynthesisConfig.threads)
     syn.set_defaults(func=cmd_synthesize)

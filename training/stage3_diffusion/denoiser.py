@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from service.fanout.candidates import CANDIDATE_SOURCES, DEFAULT_SOURCE
+from service.paths.diffusion import CONTEXT_SOURCES
 
 # Options of earlier configs whose other values were removed: their surviving value.
 REMOVED_OPTIONS: dict[str, str] = {"conditioning": "adaln", "head": "vector"}
@@ -53,14 +54,15 @@ class DenoiserConfig:
     context: int = 0  # C, catalog items the rows cross-attend to; 0 = none
     ordered: bool = False  # rows carry learnt positions; targets sorted by cosine to the query
     # which C items: "nearest", the query's C nearest; "prompt", the C items the teacher's
-    # prompt names (service.fanout.grounding.PromptNeighbourhood)
+    # prompt names (service.fanout.grounding.PromptNeighbourhood); "ranked", the ranker's best C
+    # (service.fanout.ranker.RankedNeighbourhood), for a student distilled from the ranker
     context_source: str = "nearest"
     # where the prompt's names come from (service.fanout.candidates), as the teacher's were
     candidates: str = DEFAULT_SOURCE
 
     def __post_init__(self) -> None:
-        if self.context_source not in ("nearest", "prompt"):
-            raise ValueError(f"context_source must be 'nearest' or 'prompt', "
+        if self.context_source not in CONTEXT_SOURCES:
+            raise ValueError(f"context_source must be one of {CONTEXT_SOURCES}, "
                              f"got {self.context_source!r}")
         if self.candidates not in CANDIDATE_SOURCES:
             raise ValueError(f"candidates must be one of {CANDIDATE_SOURCES}, "

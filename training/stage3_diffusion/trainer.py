@@ -30,6 +30,7 @@ from service.artifacts.bundle import config_hash, git_commit
 from service.errors import BundleError, InputError
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
+from service.fanout.ranker import RankedNeighbourhood
 from service.runtime.index import neighbour_rows
 from training.stage3_diffusion.denoiser import Denoiser, DenoiserConfig, count_params, preset
 
@@ -62,7 +63,8 @@ class Neighbourhood:
 
 
 def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, n: int,
-                        prompt: PromptNeighbourhood | None = None) -> Neighbourhood:
+                        prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
+                        ) -> Neighbourhood:
     """Look each distinct query up once (its n nearest items, or with `prompt` the n items its
     prompt names); blocks of one query share its context."""
     _, first, inverse = np.unique(data.query_emb, axis=0, return_index=True,
@@ -369,8 +371,10 @@ def train_on_bundle(bundle_dir: Path, config: TrainConfig, dataset_dir: Path | N
     context, n = None, config.model.context
     if n:
         bundle = load_bundle(bundle_dir)
-        prompt = None
-        if config.model.context_source == "prompt":
+        prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
+        if config.model.context_source == "ranked":
+            prompt = RankedNeighbourhood(bundle, n)
+        elif config.model.context_source == "prompt":
             prompt_context(dataset_dir, n, config.model.candidates)
             prompt = PromptNeighbourhood(Candidates.of(bundle, config.model.candidates),
                                          bundle.items.texts, bundle.items.embeddings, n)

@@ -1,0 +1,118 @@
+"""Stage 2 from a teacher that picks catalog items itself rather than writing sub-queries: the
+ranker (`--teacher ranker`), sampled as the policy is, at a temperature; or the labels
+(`--teacher oracle`), a positive control for stage 3: blocks of one item per labeled group.
+
+Both choose among the student's context, the ranker's best C candidates
+(`RankedNeighbourhood`), so the student is trained to pick where it will pick when served
+(`context_source = "ranked"`). The run folder is `synthesize`'s (shards of query_index, rows,
+target), so `r4t train diffusion` reads either unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from service.artifacts.bundle import git_commit, load_bundle
+from service.fanout.format import item_names
+from service.fanout.ranker import ScoredCandidates
+from service.runtime.encoder import Encoder
+from training.data.splits import disjoint_train, query_texts, training_queries
+from training.stage2_synthesis.synthesis import SHARDS, SynthesisConfig, save_shard
+
+TERMS = ("reward", "ground", "diversity", "alignment")  # not scored here: zeros
+
+
+def ranker_block(scores: np.ndarray, embeddings: np.ndarray, scored: ScoredCandidates, k: int,
+                 temperature: float, rng: np.random.Generator) -> list[int]:
+    """One sample of the ranker: its spread-out greedy pick over Gumbel-perturbed scores
+    (temperature 0: its served answer). Positions into the candidates."""
+    noisy = scores + temperature * rng.gumbel(size=len(scores))
+    return scored.ranker.choose(noisy, embeddings, k)
+
+
+def oracle_block(ids: list[str], groups: list[list[str]], k: int,
+                 rng: np.random.Generator) -> list[int]:
+    """Positions of up to k candidates, one per labeled group in a random order (a random
+    member each), then the candidates no group holds, best first."""
+    group_of: dict[str, int] = {}
+    for g, members in enumerate(groups):
+        for item in members:
+            group_of.setdefault(item, g)
+    members: dict[int, list[int]] = {}
+    for position, item in enumerate(ids):
+        if item in group_of:
+            members.setdefault(group_of[item], []).append(position)
+    picks = [int(rng.choice(members[g])) for g in rng.permutation(sorted(members))][:k]
+    rest = [p for p in range(len(ids)) if p not in set(picks)]
+    return (picks + rest)[:k]
+
+
+def teacher_queries(bundle_dir: Path, teacher: str, config: SynthesisConfig
+                    ) -> tuple[list[str], list[list[list[str]]] | None, list[int]]:
+    """(query texts, their groups for the oracle, samples per query): the oracle's are the
+    labeled train queries disjoint from val/test; the ranker's, the policy's (train split and
+    extra catalog names)."""
+    if teacher == "oracle":
+        labeled = disjoint_train(bundle_dir)
+        return ([q.query for q in labeled], [q.groups for q in labeled],
+                [config.samples_per_query] * len(labeled))
+    names = item_names(load_bundle(bundle_dir).items.texts)
+    queries = training_queries(bundle_dir, names, config.extra_queries, config.seed)
+    n_train = len(query_texts(bundle_dir, "train"))
+    return queries, None, [config.samples_per_query if i < n_train else config.extra_samples
+                           for i in range(len(queries))]
+
+
+def synthesize_blocks(bundle_dir: Path, teacher: str, config: SynthesisConfig, context: int,
+                      run_dir: Path) -> Path:
+    """Write `teacher`'s blocks for its queries into `run_dir`; returns it."""
+    started = time.perf_counter()
+    bundle = load_bundle(bundle_dir)
+    queries, groups, samples = teacher_queries(bundle_dir, teacher, config)
+    (run_dir / SHARDS).mkdir(parents=True, exist_ok=True)
+    query_emb = Encoder(bundle.encoder_config).encode(queries)  # (Q, d)
+    np.save(run_dir / "query_emb.npy", query_emb)
+    (run_dir / "queries.json").write_text(json.dumps(queries) + "\n")
+    scored = ScoredCandidates(bundle)
+    rng = np.random.default_rng(config.seed)
+    ids, embeddings = bundle.items.ids, bundle.items.embeddings
+    arrays: dict[str, list[Any]] = {name: [] for name in ("query_index", "rows", "target", *TERMS)}
+    batch = 64
+    for start in tqdm(range(0, len(queries), batch), desc=f"{teacher} blocks", unit="batch"):
+        texts, vectors = queries[start:start + batch], query_emb[start:start + batch]
+        for i, (rows, scores) in enumerate(scored(texts, vectors), start=start):
+            best = np.argsort(-scores, kind="stable")[:context]
+            rows, scores = rows[best], scores[best]  # (C,) the student's context
+            for _ in range(samples[i]):
+                if groups is None:
+                    picks = ranker_block(scores, embeddings[rows], scored, config.k,
+                                         config.temperature, rng)
+                else:
+                    picks = oracle_block([ids[r] for r in rows], groups[i], config.k, rng)
+                if len(picks) < config.k:
+                    continue  # too few candidates for a whole block
+                arrays["query_index"].append(np.array([i]))
+                arrays["rows"].append(rows[picks][None])
+                arrays["target"].append(embeddings[rows[picks]][None])
+    kept = len(arrays["query_index"])
+    for name in TERMS:
+        arrays[name] = [np.zeros(kept, dtype=np.float32)]
+    save_shard(run_dir / SHARDS / "shard-00000.npz", arrays, [], config.k, query_emb.shape[1])
+    wall = time.perf_counter() - started
+    (run_dir / "config.json").write_text(json.dumps({
+        "stage": "synthesis", "teacher": teacher, "config": config.__dict__, "context": context,
+        "candidates": "ranked", "n_queries": len(queries), "seed": config.seed,
+        "git_commit": git_commit()}, indent=2) + "\n")
+    (run_dir / "ledger.json").write_text(json.dumps({
+        "samples": int(sum(samples)), "kept": kept, "dropped": int(sum(samples)) - kept,
+        "tokens": 0, "retrieval_calls": 0, "wall_s": round(wall, 1),
+        "samples_per_s": round(kept / max(wall, 1e-9), 1)}, indent=2) + "\n")
+    print(f"synthesis ({teacher}): {kept:,} blocks for {len(queries):,} queries in {wall:.0f} s "
+          f"-> {run_dir}")
+    return run_dir
