@@ -64,6 +64,7 @@ log = logging.getLogger("r4t.app")
 T = TypeVar("T")
 GATE_HEADROOM = 1.5  # the gate admits this many times the concurrency answered successfully
 ENGINE_RETRY_S = 2.0  # how often a start-up refused for its index engine being down retries
+WATCH_BACKOFF_MAX_S = 60.0  # the longest wait before a failed watched reload is tried again
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by the client
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -228,23 +229,25 @@ class ServiceState:
     async def watch(self) -> None:
         """Reload the served bundle when its manifest changes (a stage landed; with watch_s);
         a bundle that was absent or refused at start-up is loaded once it can be, and one
-        refused because its index engine was down, once the engine answers."""
-        seen = self.manifest_stamp()
+        refused because its index engine was down, once the engine answers. A watched reload
+        that fails is retried, at a delay doubling up to WATCH_BACKOFF_MAX_S."""
+        seen, failures = self.manifest_stamp(), 0
         while True:
-            await asyncio.sleep(self.settings.watch_s or ENGINE_RETRY_S)
+            await asyncio.sleep(backoff(self.settings.watch_s or ENGINE_RETRY_S, failures))
             stamp = self.manifest_stamp()
             busy = self.startup == "loading" or (self.reload_task is not None
                                                  and not self.reload_task.done())
             engine_down = self.retriever is None and (self.startup_error or "").startswith(
                 IndexUnavailableError.__name__)  # retried until the engine answers
             changed = self.settings.watch_s > 0 and stamp not in (seen, None)
-            if busy or not (engine_down or changed):
+            if busy or not (engine_down or changed or failures):
                 continue
-            seen = stamp
-            log.info("bundle changed on disk or its index engine was down, reloading",
-                     extra={"info": {"stamp": stamp}})
+            log.info("bundle changed on disk, its index engine was down or its last reload "
+                     "failed: reloading", extra={"info": {"stamp": stamp, "failures": failures}})
             self.reload_task = asyncio.create_task(self.do_reload(self.served_path()))
             await asyncio.shield(self.reload_task)
+            failed = self.reload.state == "failed"
+            seen, failures = stamp, failures + 1 if failed else 0
 
     def served_path(self) -> Path:
         return self.retriever.bundle.path if self.retriever else self.settings.bundle
@@ -284,6 +287,12 @@ class ServiceState:
             self.metrics.reloads.labels(outcome="failed").inc()
         finally:
             self.reload = self.reload.model_copy(update={"finished": now_iso()})
+
+
+def backoff(base_s: float, failures: int) -> float:
+    """The wait before the next watch: `base_s`, doubled per consecutive failed reload, at most
+    WATCH_BACKOFF_MAX_S (a transient fault is retried soon, a broken bundle rarely)."""
+    return min(base_s * 2.0 ** min(failures, 32), max(base_s, WATCH_BACKOFF_MAX_S))
 
 
 async def in_daemon_thread(nice: int, fn: Callable[..., T], *args: Any) -> T:

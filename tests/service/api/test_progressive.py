@@ -3,6 +3,7 @@ switching routes by itself, with no failed request, as a stage lands."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from tests.service.api.test_app import assert_k_unique
-from tests.service.conftest import add_diffusion_stage, live_server
+from tests.service.conftest import add_diffusion_stage, live_server, wait_until
 
 
 @pytest.fixture
@@ -84,3 +85,30 @@ def test_a_watched_bundle_switches_to_diffusion_when_its_stage_lands(settings_fo
         assert set(statuses) == {200}  # nothing failed while the bundle was swapped
         assert routes[0] == "ranked" and routes[-1] == "diffusion"
         assert client.get("/v1/info").json()["reload"]["state"] == "succeeded"
+
+
+def test_a_watched_reload_that_fails_is_retried_until_the_stage_loads(settings_for,
+                                                                      catalog_only, tmp_path):
+    """A stage lands before its sampler file is in place (a transient fault): the reload is
+    refused, retried with backoff, and diffusion serves once the file is there, with no
+    further change to the manifest (issue 41, item 7)."""
+    staged = tmp_path / "staging" / catalog_only.name
+    shutil.copytree(catalog_only, staged)
+    add_diffusion_stage(staged)
+    settings = settings_for(bundle=catalog_only, openai_base_url=None, watch_s=0.05,
+                            routes="diffusion=1")
+    with live_server(settings) as live, live.client() as client:
+        assert "diffusion" not in client.get("/readyz").json()["routes"]
+        shutil.copytree(staged / "diffusion", catalog_only / "diffusion",
+                        ignore=shutil.ignore_patterns("sampler.onnx"))
+        shutil.copyfile(staged / "manifest.json", catalog_only / "manifest.tmp")
+        os.replace(catalog_only / "manifest.tmp", catalog_only / "manifest.json")  # it lands
+        wait_until(lambda: client.get("/v1/info").json()["reload"]["state"] == "failed",
+                   "the reload of a stage without its sampler refused")
+        shutil.copyfile(staged / "diffusion" / "sampler.onnx",
+                        catalog_only / "diffusion" / "sampler.onnx")
+        wait_until(lambda: "diffusion" in client.get("/readyz").json()["routes"],
+                   "the failed reload retried")
+        assert client.get("/v1/info").json()["reload"]["state"] == "succeeded"
+        body = client.post("/v1/retrieve", json={"query": "tree", "route": "diffusion"}).json()
+        assert body["route"] == "diffusion" and body["fallback"]["used"] is False
