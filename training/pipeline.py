@@ -522,7 +522,8 @@ def _launch_grpo(build: _Build, config: GrpoConfig, init: Path, gpus: int) -> No
 
 
 def _build_synthesis(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Stage 2 (`r4t synthesize`): sample the GRPO policy into runs/synthesis."""
+    """Stage 2 (`r4t synthesize`): sample the recipe's teacher (the ranker, or the GRPO
+    policy) into runs/synthesis."""
     from training.stage1_fanout.export import FOLDERS
     from training.stage1_fanout.grpo import run_dir_for
     from training.stage1_fanout.warmstart import FINAL
@@ -535,8 +536,14 @@ def _build_synthesis(build: _Build, manifest: dict[str, Any]) -> dict[str, Any]:
     )
 
     configs = _configs(build)
-    policy = _checkpoint(run_dir_for(build.bundle_dir, configs.grpo.reward) / FINAL, "folm")
     run_dir = _run_dir(build, manifest, "synthesis", build.bundle_dir / "runs" / SYNTHESIS_RUN)
+    if configs.synthesis.teacher != "folm":  # the ranker: blocks among the student's context
+        from training.stage2_synthesis.teachers import CONTEXT, synthesize_blocks
+
+        synthesize_blocks(build.bundle_dir, configs.synthesis.teacher, configs.synthesis,
+                          configs.diffusion.model.context or CONTEXT, run_dir)
+        return commit_synthesis(build.bundle_dir, configs.synthesis, run_dir)
+    policy = _checkpoint(run_dir_for(build.bundle_dir, configs.grpo.reward) / FINAL, "folm")
     local = chosen_backend(configs.synthesis.backend, configs.synthesis.decoding) == "local"
     if local and not (run_dir / POLICY_ONNX).exists():  # it samples the bundle's export
         shutil.copytree(build.bundle_dir / FOLDERS["folm"], run_dir / POLICY_ONNX)

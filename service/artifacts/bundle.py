@@ -54,7 +54,7 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "folm-warmstart": ("catalog", "lexical", "benchmark"),
     "folm": ("catalog", "lexical", "benchmark", "folm-warmstart"),
     "llm": (),  # a pretrained GGUF policy (r4t llm): it reads no stage
-    "synthesis": ("catalog", "lexical", "benchmark", "folm"),
+    "synthesis": ("catalog", "lexical", "benchmark", "ranker", "folm"),  # either teacher
     "diffusion": ("catalog", "lexical", "synthesis"),
     # the default A/B weights, measured on val over the routes the bundle serves (ROUTES_FILE)
     "routes": ("catalog", "lexical", "benchmark", "ranker", "folm", "diffusion"),

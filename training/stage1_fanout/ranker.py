@@ -3,8 +3,9 @@
 LightGBM's lambdarank over each train query's candidates (service.fanout.mentions), an item
 labeled 1 when it sits in one of the query's groups; trained only on the train queries that
 share no item with val or test (training.data.splits.disjoint_train). The set objective's one
-free weight, the redundancy penalty, is chosen on val's coverage@10. A benchmark without labels
-gets the label-free mention order instead. Seconds on a CPU; no torch.
+free weight, the redundancy penalty, is chosen on val's coverage@10, and the model is served
+only where it beats the label-free mention order there (a benchmark without labels gets that
+order). Seconds on a CPU; no torch.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class RankerTrainConfig:
     hybrid: int = 50
     mentions: int = 300
     seed: int = 0
+    # serve the label-free order instead where it measures at least as well on val
+    label_free_baseline: bool = True
 
 
 def ranker_stage_config(config: RankerTrainConfig) -> dict[str, Any]:
@@ -88,6 +91,23 @@ def coverage(path: RankedPath, queries: list[BenchmarkQuery]) -> float:
                              for rows, q in zip(chosen, queries, strict=True)]))
 
 
+def tune(bundle: Any, encoder: Encoder, sizes: CandidateSizes, booster: Any | None,
+         val: list[BenchmarkQuery], redundancies: tuple[float, ...], baseline: bool = True
+         ) -> dict[RankerConfig, float]:
+    """Val coverage@10 of each scorer (the trained model, and the label-free order, which a
+    model must beat to be served) at each redundancy weight; NaN without labeled val."""
+    tried: dict[RankerConfig, float] = {}
+    models = [RANKER_MODEL] if booster is not None else []
+    for model in ([None] if baseline or not models else []) + models:  # a tie: no model
+        for weight in redundancies if val else (0.0,):
+            config = RankerConfig(sizes, weight, FEATURES, model)
+            path = RankedPath(bundle, encoder, Ranker(config, booster if model else None))
+            tried[config] = coverage(path, val) if val else float("nan")
+            print(f"ranker: {model or 'label-free'}, redundancy {weight}: val coverage@10 "
+                  f"{tried[config]:.3f}", flush=True)
+    return tried
+
+
 def train_ranker(bundle_dir: Path, config: RankerTrainConfig = RankerTrainConfig()
                  ) -> dict[str, Any]:
     """Train, tune on val and commit the `ranker` stage; returns the manifest."""
@@ -102,18 +122,15 @@ def train_ranker(bundle_dir: Path, config: RankerTrainConfig = RankerTrainConfig
     if train:
         base = Ranker(RankerConfig(sizes=sizes))
         booster = fit(*labeled(RankedPath(bundle, encoder, base), train), config)
-    served = RankerConfig(sizes=sizes, model=RANKER_MODEL if booster else None)
-    tried = {}
-    for weight in config.redundancies if val else (0.0,):
-        candidate = RankerConfig(sizes, weight, FEATURES, served.model)
-        path = RankedPath(bundle, encoder, Ranker(candidate, booster))
-        tried[weight] = coverage(path, val) if val else float("nan")
-        print(f"ranker: redundancy {weight}: val coverage@10 {tried[weight]:.3f}", flush=True)
-    best = max(tried, key=lambda w: -np.inf if np.isnan(tried[w]) else tried[w])
-    served = RankerConfig(sizes, best, FEATURES, served.model)
+    tried = tune(bundle, encoder, sizes, booster, val, config.redundancies,
+                 config.label_free_baseline)
+    served = max(tried, key=lambda c: -np.inf if np.isnan(tried[c]) else tried[c])
+    if served.model is None:
+        booster = None  # the label-free order measured at least as well on val
     manifest = read_manifest(bundle_dir)
     key = ranker_stage_config(config)
-    record: dict[str, Any] = {"n_train_queries": len(train), "val_coverage@10": tried[best]}
+    record: dict[str, Any] = {"n_train_queries": len(train), "val_coverage@10": tried[served],
+                              "model": served.model}
     with stage(bundle_dir, manifest, "ranker", record) as staged:
         folder = staged / RANKER_DIR
         folder.mkdir()
@@ -122,8 +139,9 @@ def train_ranker(bundle_dir: Path, config: RankerTrainConfig = RankerTrainConfig
         (folder / RANKER_CONFIG).write_text(
             json.dumps({**served.to_dict(), "trained": {
                 "config": key, "seed": config.seed, "git_commit": git_commit(),
-                "n_train_queries": len(train), "val_coverage@10_by_redundancy":
-                    {str(w): v for w, v in tried.items()}}}, indent=2) + "\n")
+                "n_train_queries": len(train), "val_coverage@10": [
+                    {"model": c.model, "redundancy": c.redundancy, "coverage@10": v}
+                    for c, v in tried.items()]}}, indent=2) + "\n")
         record.update(config=key, config_hash=config_hash(key),
                       wall_s=round(time.perf_counter() - started, 2))
     return read_manifest(bundle_dir)

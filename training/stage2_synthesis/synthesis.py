@@ -84,6 +84,9 @@ class SynthesisConfig:
     k: int = 10
     seed: int = 0
     threads: int = 1  # ONNX Runtime / torch intra-op threads
+    # who writes the blocks: "folm", the policy sampled as above; "ranker", the bundle's ranker
+    # sampled at `temperature` among the student's context (stage2_synthesis/teachers.py)
+    teacher: str = "folm"
 
     def __post_init__(self) -> None:
         counts = {"samples per query": self.samples_per_query, "k": self.k,
@@ -95,6 +98,8 @@ class SynthesisConfig:
             bad.append(f"decoding must be one of {', '.join(DECODINGS)} (got {self.decoding})")
         if self.temperature < 0:
             bad.append(f"temperature must be ≥ 0 (got {self.temperature})")
+        if self.teacher not in TEACHERS:
+            bad.append(f"teacher must be one of {', '.join(TEACHERS)} (got {self.teacher})")
         if self.backend not in BACKENDS:
             bad.append(f"backend must be one of {', '.join(BACKENDS)} (got {self.backend})")
         if bad:
@@ -102,10 +107,10 @@ class SynthesisConfig:
 
 
 SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
-    "cpu": SynthesisConfig(),
-    # 48 tokens: the tiny policy's own 32 seldom hold k lines
+    # the ranker, the teacher that measured best on val (docs/experiments.md, 2026-12-04)
+    "cpu": SynthesisConfig(teacher="ranker"),
     "tiny": SynthesisConfig(samples_per_query=6, extra_queries=0, max_new_tokens=48,
-                            shard_queries=3),
+                            shard_queries=3, teacher="ranker"),
     # the paper's 128 samples per query and its temperature, decoded as GRPO sampled the LLM
     # (docs/gpu.md)
     "gpu": SynthesisConfig(samples_per_query=128, extra_samples=16, backend="auto",
@@ -529,16 +534,19 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         extra_queries=args.extra_queries, extra_samples=args.extra_samples,
         backend=args.backend, endpoint=args.endpoint, model=args.model,
         keep_top_frac=args.keep_top_frac, threads=args.threads, seed=args.seed,
-        decoding=args.decoding,
+        decoding=args.decoding, teacher=args.teacher,
     )
-    if args.teacher != "folm":  # an experiment beside the bundle's own stage 2
+    if args.teacher != "folm":  # blocks the ranker or the labels pick
         from training.stage2_synthesis.teachers import synthesize_blocks
 
-        if not args.run_dir:
-            raise InputError(f"--teacher {args.teacher} writes an experiment's dataset: name "
-                             "its --run-dir (then `r4t train diffusion --dataset DIR "
+        if args.teacher == "oracle" and not args.run_dir:
+            raise InputError("--teacher oracle writes a positive control's dataset: name its "
+                             "--run-dir (then `r4t train diffusion --dataset DIR "
                              "--context-source ranked`)")
-        synthesize_blocks(args.bundle, args.teacher, config, args.context, Path(args.run_dir))
+        run_dir = Path(args.run_dir) if args.run_dir else args.bundle / "runs" / SYNTHESIS_RUN
+        synthesize_blocks(args.bundle, args.teacher, config, args.context, run_dir)
+        if not args.run_dir:  # the bundle's own stage 2
+            commit_synthesis(args.bundle, config, run_dir)
         return
     from training.stage1_fanout.export import default_checkpoint
 
@@ -582,7 +590,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     syn.add_argument("--run-dir", default=None, help="default models/<bundle>/runs/synthesis")
     syn.add_argument("--limit", type=int, default=None, help="first N training queries")
     syn.add_argument("--seed", type=int, default=SynthesisConfig.seed)
-    syn.add_argument("--teacher", default="folm", choices=TEACHERS,
+    syn.add_argument("--teacher", default=SYNTHESIS_PRESETS["cpu"].teacher, choices=TEACHERS,
                      help="folm: sample the policy (the bundle's stage 2); ranker: sample the "
                           "bundle's ranker; oracle: blocks of one item per labeled group (a "
                           "positive control), both among the ranker's best --context items")

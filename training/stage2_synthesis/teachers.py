@@ -26,6 +26,7 @@ from training.data.splits import disjoint_train, query_texts, training_queries
 from training.stage2_synthesis.synthesis import SHARDS, SynthesisConfig, save_shard
 
 TERMS = ("reward", "ground", "diversity", "alignment")  # not scored here: zeros
+CONTEXT = 24  # the candidates a teacher picks among when its student attends to none
 
 
 def ranker_block(scores: np.ndarray, embeddings: np.ndarray, scored: ScoredCandidates, k: int,

@@ -97,11 +97,11 @@ class DenoiserConfig:
 
 PRESETS: dict[str, DenoiserConfig] = {
     "paper": DenoiserConfig(hidden=1024, mlp=1024, layers=6, heads=16, rows=12),  # Table 3
-    # Sized for 2 CPU cores; the context is the policy's prompt (PolicyConfig.context and
-    # .candidates), whose items it attends to. Two blocks: four cost more and chose no better,
-    # half the width chose worse (docs/experiments.md, 2026-12-03).
+    # Sized for 2 CPU cores; the context is the ranker's best 24 candidates, among which its
+    # teacher chose (training/stage2_synthesis/teachers.py). Two blocks: four cost more and
+    # chose no better, half the width chose worse (docs/experiments.md, 2026-12-03).
     "cpu": DenoiserConfig(hidden=128, mlp=512, layers=2, heads=4, context=24, ordered=True,
-                          context_source="prompt", candidates="hybrid"),
+                          context_source="ranked", candidates="hybrid"),
     "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
 }
 
