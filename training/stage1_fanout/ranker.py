@@ -19,7 +19,14 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from service.artifacts.bundle import config_hash, git_commit, load_bundle, read_manifest, stage
+from service.artifacts.bundle import (
+    CONTENT_KEY,
+    config_hash,
+    git_commit,
+    load_bundle,
+    read_manifest,
+    stage,
+)
 from service.fanout.mentions import FEATURES, CandidateSizes
 from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranker, RankerConfig
 from service.paths.ranked import RankedPath
@@ -144,4 +151,7 @@ def train_ranker(bundle_dir: Path, config: RankerTrainConfig = RankerTrainConfig
                     for c, v in tried.items()]}}, indent=2) + "\n")
         record.update(config=key, config_hash=config_hash(key),
                       wall_s=round(time.perf_counter() - started, 2))
+        # a function of its config and inputs (deterministic, one thread), not of the bytes
+        # of a model file another CPU or commit may write differently (stage_hash)
+        record[CONTENT_KEY] = {}
     return read_manifest(bundle_dir)
