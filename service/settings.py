@@ -145,10 +145,11 @@ class Settings(BaseSettings):
         f"own choice, measured on its val split (its `routes` stage), else {FALLBACK_ROUTES}.",
     )
     fanout_threshold: float = Field(
-        3.1, description="route=auto fans a query out only when its breadth, ln(1 + catalog "
+        3.9, description="route=auto fans a query out only when its breadth, ln(1 + catalog "
         "texts holding every query word), reaches this; below, `single` answers it (narrow "
-        "queries want the item they name). Chosen on the mixed val split: `r4t eval "
-        "--trigger-curve` (service/scheduling/trigger.py).",
+        "queries want the item they name). Chosen on the mixed val split with the default "
+        "fan-out, `ranked`: `r4t eval --trigger-curve --method ranked` "
+        "(service/scheduling/trigger.py).",
     )
     fanout_lead: int = Field(
         1, ge=0, le=MAX_K, description="A query route=auto fans out is answered leading with "
