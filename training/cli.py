@@ -295,9 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     from service.api.server import register as register_serve
     from training.stage1_fanout import export as policy_export
     from training.stage1_fanout import gguf
-    from training.stage2_synthesis import synthesis
+    from training.stage2_synthesis import command as synthesis_command
 
-    for module in (policy_export, gguf, synthesis):
+    for module in (policy_export, gguf, synthesis_command):
         module.register(sub)
     register_train_folm(sub)
     register_diffusion(sub)

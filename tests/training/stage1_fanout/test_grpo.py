@@ -200,7 +200,7 @@ def test_cli_registration_shares_the_train_and_export_groups() -> None:
 
     from training.stage1_fanout import command as stage1_command
     from training.stage1_fanout import export as policy_export
-    from training.stage2_synthesis import synthesis
+    from training.stage2_synthesis import command as synthesis
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--bundle", type=Path, default=Path("models/default"))
