@@ -97,12 +97,14 @@ class Batcher(Generic[P, R]):
         compute time per request (both EWMAs, so they follow batches as they grow with the
         load; per request, because a path whose batches cost in proportion to their size, as
         AR decoding does, would otherwise admit a batch it cannot finish in time), plus
-        `max_wait_ms`. An idle path has nothing else."""
+        `max_wait_ms`. An idle path has nothing else. A batch past its estimate counts as
+        running on for as long as it has overrun it, so a stall reads as a growing wait (and
+        admission refuses) rather than as a batch about to finish."""
         queued = self._queue.qsize() * self.item_s_estimate
         computing = 0.0
         if self._computing_since is not None:  # what is left of the batch in compute
             elapsed = time.monotonic() - self._computing_since
-            computing = max(self.batch_s_estimate - elapsed, 0.0)
+            computing = abs(self.batch_s_estimate - elapsed)
         return queued + computing + self.max_wait_s
 
     def admit(self, deadline: float) -> None:

@@ -305,3 +305,33 @@ def test_compute_threads_yield_to_the_event_loop():
     loop_priority = os.getpriority(os.PRIO_PROCESS, 0)
     assert run(scenario()) == min(loop_priority + 3, 19)
     assert os.getpriority(os.PRIO_PROCESS, 0) == loop_priority  # the caller's is untouched
+
+
+def test_a_batch_stalled_past_its_estimate_stops_admission():
+    """A batch that overruns its measured time counts as running on for as long as it has
+    overrun, so a stall shows as a growing wait and new requests get a fast 429 instead of
+    queueing to a 504 (issue 41, item 2)."""
+    recorder = Recorder(gated=True)
+
+    async def scenario():
+        batcher = make(recorder, max_batch_size=1, max_wait_ms=0.0, admit_wait_fraction=0.2)
+        batcher.start()
+        try:
+            recorder.release.set()
+            assert (await batcher.submit(1, far())).result == 2  # measures a fast batch
+            estimate = batcher.batch_s_estimate
+            recorder.release.clear()
+            recorder.entered.clear()
+            stalled = asyncio.ensure_future(batcher.submit(2, far()))
+            await wait_for(recorder.entered)  # in compute, and it will not finish
+            await wait_until(lambda: batcher.expected_wait_s() > 0.2 + estimate)
+            with pytest.raises(OverloadError):  # budget: a fifth of 1 s
+                await batcher.submit(3, time.monotonic() + 1.0)
+            assert batcher.depth == 0
+            recorder.release.set()
+            assert (await stalled).result == 4
+        finally:
+            recorder.release.set()
+            await batcher.close()
+
+    run(scenario())
