@@ -7,9 +7,14 @@ between runs: on a small machine the spinning steals the cores FAISS needs right
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import onnxruntime as ort
+
+from service.errors import BundleError
+
+log = logging.getLogger("r4t.sessions")
 
 PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 
@@ -20,10 +25,20 @@ def default_providers() -> list[str]:
 
 
 def chosen_providers(requested: list[str] | None) -> list[str]:
-    """The requested providers this build has, in order; default when none is given or left."""
+    """The requested providers this build has, in order (a missing one is logged); the
+    default when none is requested; a BundleError when none of those requested is here."""
+    if not requested:
+        return default_providers()
     available = ort.get_available_providers()
-    chosen = [p for p in requested or [] if p in available]
-    return chosen or default_providers()
+    chosen = [p for p in requested if p in available]
+    missing = [p for p in requested if p not in available]
+    if not chosen:
+        raise BundleError(f"none of the requested ONNX Runtime providers {missing} is in this "
+                          f"build (it has {available}): set R4T_PROVIDERS to one of those, or "
+                          "auto")
+    if missing:
+        log.warning("ONNX Runtime providers %s are not in this build; using %s", missing, chosen)
+    return chosen
 
 
 def session_options(threads: int) -> ort.SessionOptions:
