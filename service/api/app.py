@@ -404,9 +404,14 @@ def gated(app: FastAPI) -> AdmissionGate:
     so that a refusal under overload costs the event loop as little as it can."""
     state: ServiceState = app.state.r4t
     settings = state.settings
+    def reject(duration_s: float) -> None:  # counted as every answer is (R4THighRejectRate)
+        state.metrics.rejected.labels(reason="OverloadError").inc()
+        state.metrics.request_duration.labels(route="none", arm="none",
+                                              status="429").observe(duration_s)
+
     return AdmissionGate(
         app, max_in_flight=settings.max_in_flight, retry_after_s=settings.retry_after_s,
-        prefix="/v1/retrieve", on_reject=state.metrics.rejected.labels(reason="OverloadError").inc,
+        prefix="/v1/retrieve", on_reject=reject,
         headroom=GATE_HEADROOM,
         floor=settings.queue_size // 2,  # bursts this large always reach the batchers
     )

@@ -120,7 +120,7 @@ class AdmissionGate:
 
     def __init__(
         self, app: ASGIApp, max_in_flight: int, retry_after_s: int, prefix: str,
-        on_reject: Callable[[], None], headroom: float = 0.0, floor: int = 1,
+        on_reject: Callable[[float], None], headroom: float = 0.0, floor: int = 1,
     ) -> None:
         self.app, self.max_in_flight, self.prefix = app, max_in_flight, prefix
         self.retry_after = str(retry_after_s).encode()
@@ -144,10 +144,7 @@ class AdmissionGate:
         started = time.monotonic()
         limit = self.limit(started)
         if self.in_flight >= limit:
-            self.on_reject()
-            await _refuse(send, 429, "OverloadError",
-                          f"{self.in_flight} requests in flight (admitting {limit} now); "
-                          "retry shortly", [(b"retry-after", self.retry_after)])
+            await self._refuse(scope, send, started, limit)
             return
         self.in_flight += 1
         status = {"code": 0}
@@ -164,6 +161,25 @@ class AdmissionGate:
             if 200 <= status["code"] < 300:
                 ended = time.monotonic()
                 self.served.record(ended, ended - started)
+
+
+    async def _refuse(self, scope: Scope, send: Send, started: float, limit: int) -> None:
+        """The 429 of a request the gate turns away, answered as every other one is: with its
+        request id (header and body), an access log line, and its duration (`on_reject`)."""
+        request_id = _caller_request_id(scope)
+        token = request_id_var.set(request_id)
+        try:
+            await _refuse(send, 429, "OverloadError",
+                          f"{self.in_flight} requests in flight (admitting {limit} now); "
+                          "retry shortly", [(b"retry-after", self.retry_after),
+                                            (REQUEST_ID_HEADER, request_id.encode("latin-1"))])
+        finally:
+            duration = time.monotonic() - started
+            self.on_reject(duration)
+            access_log.info("request", extra={"http": {
+                "method": scope.get("method"), "path": scope.get("path"), "status": 429,
+                "duration_ms": round(duration * 1000, 3)}})
+            request_id_var.reset(token)
 
 
 class BodyGuard:
