@@ -85,7 +85,7 @@ def test_the_readme_commands_build_evaluate_and_serve_my_catalog(own, capsys) ->
     code, out = run_r4t(evaluation, own, capsys)
     assert code == 0
     assert all((own / BUNDLE / "eval" / f"{m}-val.json").is_file()
-               for m in ("single", "hybrid-names", "diffusion"))
+               for m in ("single", "ranked", "diffusion"))
 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "training.cli", *serve, "--port",
