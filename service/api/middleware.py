@@ -51,6 +51,13 @@ def _caller_request_id(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
+def log_access(scope: Scope, status: int, duration_s: float) -> None:
+    """The access log's one line for a request."""
+    access_log.info("request", extra={"http": {
+        "method": scope.get("method"), "path": scope.get("path"), "status": status,
+        "duration_ms": round(duration_s * 1000, 3)}})
+
+
 class RequestContext:
     """Request id in context and response headers; one access log line per request."""
 
@@ -78,13 +85,7 @@ class RequestContext:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            access_log.info(
-                "request", extra={"http": {
-                    "method": scope.get("method"), "path": scope.get("path"),
-                    "status": status["code"],
-                    "duration_ms": round((time.perf_counter() - started) * 1000, 3),
-                }},
-            )
+            log_access(scope, status["code"], time.perf_counter() - started)
             request_id_var.reset(token)
 
 
@@ -176,9 +177,7 @@ class AdmissionGate:
         finally:
             duration = time.monotonic() - started
             self.on_reject(duration)
-            access_log.info("request", extra={"http": {
-                "method": scope.get("method"), "path": scope.get("path"), "status": 429,
-                "duration_ms": round(duration * 1000, 3)}})
+            log_access(scope, 429, duration)
             request_id_var.reset(token)
 
 

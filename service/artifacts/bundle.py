@@ -253,7 +253,13 @@ def stage_hash(manifest: dict[str, Any], name: str) -> str | None:
 def recorded_routes(bundle_dir: Path) -> str | None:
     """The A/B weights the bundle's `routes` stage chose on its val split, if it has one."""
     path = Path(bundle_dir) / ROUTES_FILE
-    return str(json.loads(path.read_text())["weights"]) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return str(json.loads(path.read_text())["weights"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BundleError(f"{path}: no readable weights ({type(exc).__name__}: {exc}); "
+                          "rebuild it with `r4t bundle`") from exc
 
 
 def stage_inputs(manifest: dict[str, Any], name: str) -> dict[str, str]:

@@ -36,6 +36,7 @@ FEATURES = (
 )
 ABSENT_RANK = 99.0
 EARLY = 3  # "a portable shelter": the genus sits in a gloss's first words
+MENTION_CACHE = 1024  # queries whose mention lists are kept (a batch's, and repeats)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class MentionFeatures:
         self.texts, self.embeddings, self.sizes = bundle.items.texts, bundle.items.embeddings, sizes
         self.name_fanin = functools.lru_cache(maxsize=1 << 17)(self._name_fanin)
         self.parts = functools.lru_cache(maxsize=1 << 17)(self._parts)
+        # a query's mentions, read once for its candidates and once for its features
+        self.mentions = functools.lru_cache(maxsize=MENTION_CACHE)(self.lexical.mentions)
 
     def candidates(self, texts: Sequence[str],
                    queries: np.ndarray) -> list[tuple[np.ndarray, int]]:
@@ -65,7 +68,7 @@ class MentionFeatures:
         hybrid = self.hybrid.rows(texts, queries, self.sizes.hybrid)
         out = []
         for text, query, listed in zip(texts, queries, hybrid, strict=True):
-            mentions = self.lexical.mentions(text)
+            mentions = self.mentions(text)
             if len(mentions) > self.sizes.mentions:  # the nearest of a broad word's thousands
                 near = np.argpartition(-(self.embeddings[mentions] @ query), self.sizes.mentions)
                 mentions = np.sort(mentions[near[: self.sizes.mentions]])
@@ -78,11 +81,11 @@ class MentionFeatures:
         """(C, F) float32 for one query's candidate rows, the first `hybrid` of them its
         hybrid list in order."""
         asked = self.tokens(text)
-        mentioned = set(self.lexical.mentions(text).tolist())
+        mentioned = np.isin(rows, self.mentions(text))  # (C,)
         similarity = self.embeddings[rows] @ query  # (C,)
         table = np.empty((len(rows), len(FEATURES)), dtype=np.float32)
         for j, row in enumerate(rows.tolist()):
-            table[j] = self._row(row, j, asked, row in mentioned, float(similarity[j]),
+            table[j] = self._row(row, j, asked, bool(mentioned[j]), float(similarity[j]),
                                  j < hybrid)
         return table
 

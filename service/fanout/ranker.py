@@ -64,7 +64,8 @@ class Ranker:
         """The ranker stage in `directory` (a BundleError when it is not there)."""
         path = directory / RANKER_CONFIG
         if not path.is_file():
-            raise BundleError(f"bundle has no {RANKER_DIR}/{RANKER_CONFIG}")
+            raise BundleError(f"bundle has no {RANKER_DIR}/{RANKER_CONFIG}: `r4t --bundle "
+                              f"{directory.parent} catalog` builds it")
         config = RankerConfig.from_dict(json.loads(path.read_text()))
         if config.model is None:
             return cls(config)
@@ -106,10 +107,17 @@ class ScoredCandidates:
 
     def __call__(self, texts: Sequence[str], queries: np.ndarray
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per query (texts, embeddings (Q, d)): its candidate rows (C,) and scores (C,)."""
-        return [(rows, self.ranker.score(self.features.features(text, query, rows, listed)))
-                for text, query, (rows, listed) in zip(
-                    texts, queries, self.features.candidates(texts, queries), strict=True)]
+        """Per query (texts, embeddings (Q, d)): its candidate rows (C,) and scores (C,), the
+        batch's rows scored in one call of the model."""
+        found = self.features.candidates(texts, queries)
+        tables = [self.features.features(text, query, rows, listed)
+                  for text, query, (rows, listed) in zip(texts, queries, found, strict=True)]
+        if not tables:
+            return []
+        scores = self.ranker.score(np.concatenate(tables))  # (ΣC,)
+        bounds = np.cumsum([len(t) for t in tables])[:-1]
+        return [(rows, part) for (rows, _), part in zip(found, np.split(scores, bounds),
+                                                         strict=True)]
 
     def best(self, texts: Sequence[str], queries: np.ndarray, n: int) -> np.ndarray:
         """(Q, n) int64: each query's n best-scored rows, best first; a query with fewer

@@ -220,7 +220,14 @@ class Retriever:
         self.paths, self.problems = paths, problems
         self.filter_fields = metadata_fields(bundle.items.metadata)
         self.batchers: dict[str, Batcher[PathQuery, PathAnswer]] = {}
-        self.weights = settings.route_weights(recorded_routes(bundle.path))
+        recorded = recorded_routes(bundle.path)
+        self.weights_from = "R4T_ROUTES" if settings.routes else \
+            "bundle" if recorded else "default"
+        try:
+            self.weights = settings.route_weights(recorded)
+        except ValueError as exc:  # only a recorded choice can be bad here: settings are checked
+            raise BundleError(f"{bundle.path}: its routes stage chose {recorded!r}: {exc}") \
+                from exc
         self.router = Router(self.weights, set(paths), settings.seed)
         self.trigger = FanoutTrigger(bundle.lexical, settings.fanout_threshold,
                                      settings.fanout_lead)
@@ -325,8 +332,7 @@ class Retriever:
             "unavailable": self.problems,
             "providers": self.providers,
             "routing": {"weights": self.router.weights, "sticky_key": "user_id",
-                        "weights_from": "R4T_ROUTES" if self.settings.routes else
-                        "bundle" if recorded_routes(self.bundle.path) else "default",
+                        "weights_from": self.weights_from,
                         "groundedness_threshold": self.settings.groundedness_threshold,
                         "fanout_trigger": self.trigger.describe()},
             "batching": {name: describe(b) for name, b in self.batchers.items()},

@@ -7,6 +7,7 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
+from service.arguments import positive
 from service.errors import InputError
 from service.fanout.trie import DECODINGS
 from training.stage2_synthesis.synthesis import (
@@ -18,7 +19,7 @@ from training.stage2_synthesis.synthesis import (
     commit_synthesis,
     synthesize,
 )
-from training.stage2_synthesis.teachers import synthesize_blocks
+from training.stage2_synthesis.teachers import CONTEXT, synthesize_blocks
 
 
 def cmd_synthesize(args: argparse.Namespace) -> None:
@@ -85,7 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="folm: sample the policy (the bundle's stage 2); ranker: sample the "
                           "bundle's ranker; oracle: blocks of one item per labeled group (a "
                           "positive control), both among the ranker's best --context items")
-    syn.add_argument("--context", type=int, default=24,
+    syn.add_argument("--context", type=positive, default=CONTEXT,
                      help="--teacher ranker|oracle: the student's context size")
     syn.add_argument("--threads", type=int, default=SynthesisConfig.threads)
     syn.set_defaults(func=cmd_synthesize)
