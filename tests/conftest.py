@@ -1,5 +1,7 @@
 """Session fixtures: a small real bundle from a slice of WordNet (real encoder, real FAISS), and
 a real Milvus Lite engine (a `milvus_lite server` subprocess) that can be stopped and restarted.
+The `needs(...)` mark's hooks (tests/prerequisites.py: skip, or fail under CI=true, a test whose
+program or module is missing) are installed here.
 
 With R4T_INDEX=milvus in the environment, the small bundle is also loaded into that engine
 (`r4t index`), so every test that serves it through Settings searches Milvus instead of FAISS.
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.prerequisites import pytest_configure, pytest_runtest_setup  # noqa: F401 (hooks)
 from training.data.splits import wordnet_queries
 from training.data.wordnet import load_nouns
 from training.pipeline import CatalogConfig, build_catalog

@@ -10,15 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.prerequisites import needs
 from tests.service.conftest import free_port, serve_process
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
-needs_prometheus = pytest.mark.skipif(
-    PROMETHEUS is None or PROMTOOL is None,
-    reason="Debian's prometheus package is not installed (.ci/run installs it)",
-)
+needs_prometheus = needs("prometheus", "promtool", package="Debian's prometheus package "
+                         "(make system-deps, .ci/run)")
 
 
 @needs_prometheus

@@ -4,7 +4,6 @@ clients honor a 429's Retry-After (or, asked to, ignore it) against a server tha
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from loadtest.wrk import drive, layers, reaped_cpu, run_wrk, wrk_result
+from tests.prerequisites import needs
 from tests.service.conftest import live_server, make_settings
 
-pytestmark = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
+pytestmark = needs("wrk", package="Debian's wrk package (make system-deps, .ci/run)")
 
 
 def test_a_short_wrk_run_is_counted_whole(small_bundle_dir: Path, tmp_path: Path) -> None:

@@ -434,3 +434,17 @@ def server(settings_for: Callable[..., Settings]) -> Iterator[LiveServer]:
     """The main live service: both paths, 50/50 A/B, admin API on."""
     with live_server(settings_for()) as live:
         yield live
+
+
+def shipped_settings(bundle: Path, completion: CompletionServer | None, **harness: Any
+                     ) -> Settings:
+    """`r4t serve`'s settings as shipped: every field at its default in service/settings.py,
+    whatever R4T_* the environment holds (R4T_INDEX included), except what a harness must set:
+    the bundle, the admin token, the completion endpoint of the AR route (the test bundles have
+    no fan-out model of their own) and one ONNX Runtime thread (test workers share the cores).
+    Admission, the groundedness gate, the fan-out trigger, the expansion cache, the index and
+    the A/B weights stay as a deployment gets them."""
+    defaults = {name: field.get_default(call_default_factory=True)
+                for name, field in Settings.model_fields.items()}
+    return Settings(**{**defaults, "bundle": bundle, "admin_token": ADMIN_TOKEN, "threads": 1,
+                       "openai_base_url": completion.url if completion else None, **harness})

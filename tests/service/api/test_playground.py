@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.prerequisites import needs
 from tests.service.conftest import ADMIN_TOKEN, live_server, serve_process
 
 CHROMIUM = shutil.which("chromium")
@@ -16,10 +17,8 @@ CHROMEDRIVER = shutil.which("chromedriver")
 ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts"
 ROUTES = ("single", "ranked", "diffusion", "ar")
 WAIT_S = 60.0
-needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None or CHROMEDRIVER is None,
-    reason="Debian's chromium and chromium-driver are not installed (.ci/run installs them)",
-)
+needs_chromium = needs("chromium", "chromedriver", package="Debian's chromium and "
+                       "chromium-driver packages (make system-deps, .ci/run)")
 
 
 def test_the_page_and_its_assets_are_served_without_the_admin_token(settings_for):

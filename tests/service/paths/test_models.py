@@ -13,10 +13,11 @@ import pytest
 
 from service.artifacts.bundle import config_hash, read_manifest, stage
 from service.artifacts.items import ItemStore
+from tests.prerequisites import needs
 from tests.service.api.test_app import assert_k_unique
 from tests.service.conftest import live_server, make_settings
 
-torch = pytest.importorskip("torch")
+pytestmark = needs(modules=("torch",), package="torch, the train extra (make install)")
 
 
 def commit_diffusion(bundle: Path, diffusion_dir: Path) -> None:
@@ -28,6 +29,8 @@ def commit_diffusion(bundle: Path, diffusion_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def model_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+
     from tests.training.stage3_diffusion.proxy_dataset import tiny_diffusion_dir
     from training.stage1_fanout.export import commit_policy
     from training.stage1_fanout.policy import (

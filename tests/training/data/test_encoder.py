@@ -11,17 +11,19 @@ import pytest
 from service.artifacts.bundle import load_bundle
 from service.errors import BundleError
 from service.runtime.encoder import Encoder
+from tests.prerequisites import needs
 from training.cli import main
 from training.data.encoder import encoder_source, export_encoder
 from training.pipeline import CatalogConfig, build_catalog
 
 WORDS = ["tree", "oak", "pine", "a", "of", "the", "tall", "plant", "wood", "with", "leaves"]
+# the tiny checkpoint is built, and exported, in torch
+needs_torch = needs(modules=("torch",), package="torch, the train extra (make install)")
 
 
 def tiny_checkpoint(folder: Path) -> Path:
     """A random 32-d, one-layer BERT with a word-level WordPiece tokenizer, saved as a
     sentence-transformers folder would be (config, weights, tokenizer.json, pooling)."""
-    pytest.importorskip("torch")  # the export runs the checkpoint in torch (the train extra)
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
@@ -54,6 +56,7 @@ def encoder_bundle(tmp_path_factory: pytest.TempPathFactory, small_sources, chec
     return bundle_dir
 
 
+@needs_torch
 @pytest.mark.parametrize("batch_size, tokens_per_run", [(2, None), (512, 12)])
 def test_exported_encoder_matches_the_checkpoint_whatever_the_batch(
         checkpoint, tmp_path, monkeypatch, batch_size, tokens_per_run):
@@ -79,6 +82,7 @@ def test_exported_encoder_matches_the_checkpoint_whatever_the_batch(
     assert encoder.encode([]).shape == (0, 32)
 
 
+@needs_torch
 def test_bundle_embeds_its_catalog_with_the_encoder_it_serves(encoder_bundle):
     bundle = load_bundle(encoder_bundle)
     assert bundle.manifest["encoder"] == {"name": "checkpoint0", "dim": 32, "folder": "encoder"}
@@ -87,6 +91,7 @@ def test_bundle_embeds_its_catalog_with_the_encoder_it_serves(encoder_bundle):
     np.testing.assert_allclose(served, bundle.items.embeddings[:5], atol=1e-5)
 
 
+@needs_torch
 def test_a_corrupted_encoder_is_refused(encoder_bundle, tmp_path):
     import shutil
 
@@ -101,6 +106,7 @@ def test_a_corrupted_encoder_is_refused(encoder_bundle, tmp_path):
         load_bundle(copy)
 
 
+@needs_torch
 def test_the_service_encodes_queries_with_the_bundles_encoder(encoder_bundle):
     from service.runtime.index import search
     from tests.service.conftest import live_server, make_settings
@@ -115,6 +121,7 @@ def test_the_service_encodes_queries_with_the_bundles_encoder(encoder_bundle):
     assert body["groundedness"] == pytest.approx(float(scores[0, 0]), abs=1e-5)
 
 
+@needs_torch
 def test_a_new_checkpoint_rebuilds_the_catalog(small_sources, tmp_path, capsys):
     catalog, _ = small_sources
     checkpoint = tiny_checkpoint(tmp_path / "checkpoint")
@@ -130,6 +137,7 @@ def test_a_new_checkpoint_rebuilds_the_catalog(small_sources, tmp_path, capsys):
     assert not np.allclose(np.load(tmp_path / "b" / "embeddings.npy"), before)
 
 
+@needs_torch
 def test_a_bundle_keeps_its_encoder_when_rebuilt_without_naming_it(encoder_bundle,
                                                                      small_sources, capsys):
     catalog, benchmark = small_sources
@@ -153,6 +161,7 @@ def test_a_wordllama_bundle_keeps_the_catalog_key_it_had_before_encoders_were_a_
     assert not (tmp_path / "b").exists()
 
 
+@needs_torch
 def test_a_wrong_dim_or_encoder_is_refused(small_sources, checkpoint, tmp_path):
     catalog, _ = small_sources
     with pytest.raises(BundleError, match="gives 32-d vectors, not --dim 128"):
