@@ -54,7 +54,7 @@ class Metrics:
             "r4t_rejected_requests", "Requests refused, by reason.", ("reason",), registry=r
         )
         self.fallbacks = Counter(
-            "r4t_fallbacks", "Diffusion requests answered by another route, by reason.",
+            "r4t_fallbacks", "Requests answered by a route further down, by reason.",
             ("reason",), registry=r,
         )
         self.skipped = Counter(

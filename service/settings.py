@@ -146,10 +146,10 @@ class Settings(BaseSettings):
     )
     fanout_threshold: float = Field(
         3.9, description="route=auto fans a query out only when its breadth, ln(1 + catalog "
-        "texts holding every query word), reaches this; below, `single` answers it (narrow "
-        "queries want the item they name). Chosen on the mixed val split with the default "
-        "fan-out, `ranked`: `r4t eval --trigger-curve --method ranked` "
-        "(service/scheduling/trigger.py).",
+        "texts holding every query word the catalog uses: a typo is left out), reaches this; "
+        "below, `single` answers it (narrow queries want the item they name). Chosen on the "
+        "mixed val split with the default fan-out, `ranked`: `r4t eval --trigger-curve "
+        "--method ranked` (service/scheduling/trigger.py).",
     )
     fanout_lead: int = Field(
         1, ge=0, le=MAX_K, description="A query route=auto fans out is answered leading with "

@@ -87,10 +87,10 @@ class Item(BaseModel):
 
 
 class Fallback(BaseModel):
-    used: bool = Field(description="True when another route (AR, else single) answered a "
-                       "diffusion request.")
+    used: bool = Field(description="True when a route further down answered: diffusion → AR "
+                       "→ single; ranked, or AR by the A/B arm, → single.")
     reason: str | None = Field(
-        None, description="unavailable | error | deadline | quality (null when not used)."
+        None, description="unavailable | error | quality (null when not used)."
     )
 
 

@@ -72,16 +72,21 @@ class FtsTokenizer:
         self._lock = threading.Lock()  # one connection: a cache miss at a time
         self._db.execute(f"CREATE VIRTUAL TABLE q USING fts5(text, tokenize='{TOKENIZER}')")
         self._db.execute("CREATE VIRTUAL TABLE v USING fts5vocab(q, instance)")
-        self.tokens = functools.lru_cache(maxsize=cache_size)(self._tokens)
-
-    def _tokens(self, word: str) -> tuple[str, ...]:
-        with self._lock:
-            self._db.execute("DELETE FROM q")
-            self._db.execute("INSERT INTO q(rowid, text) VALUES (1, ?)", (word,))
-            return tuple(t for (t,) in self._db.execute("SELECT term FROM v ORDER BY offset"))
+        # over a function that does not hold `self`: a cache holding its owner is a reference
+        # cycle, which would keep a retired bundle until a full collection
+        self.tokens = functools.lru_cache(maxsize=cache_size)(
+            functools.partial(fts_tokens, self._db, self._lock))
 
     def close(self) -> None:
         self._db.close()
+
+
+def fts_tokens(db: sqlite3.Connection, lock: threading.Lock, word: str) -> tuple[str, ...]:
+    """The word's FTS5 tokens, through the tokenizer's table `q` and its vocabulary `v`."""
+    with lock:
+        db.execute("DELETE FROM q")
+        db.execute("INSERT INTO q(rowid, text) VALUES (1, ?)", (word,))
+        return tuple(t for (t,) in db.execute("SELECT term FROM v ORDER BY offset"))
 
 
 def indexed_tokens(db: sqlite3.Connection, size: int) -> tuple[dict[str, int], list[list[int]]]:
@@ -149,7 +154,8 @@ class LexicalIndex:
         return [self.vocab[t] for t in tokens if t in self.vocab]
 
     def breadth(self, query: str) -> int:
-        """How many texts hold every searched word of the query (0 when it has none)."""
+        """How many texts hold every searched word of the query: words the catalog never uses
+        are not searched (token_ids), so a typo leaves the rest of the query's breadth."""
         return len(self.mentions(query))
 
     def mentions(self, query: str) -> np.ndarray:

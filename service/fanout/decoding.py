@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from service.deadline import check
 from service.errors import BundleError
 from service.fanout.format import Generation
 from service.fanout.trie import NameConstraint, RowState, name_grammar
@@ -141,6 +142,7 @@ class FanoutDecoder:
         max_lines: int | None = None,
         enforce_lines: bool = True,
         names: NameConstraint | None = None,
+        deadline: float | None = None,
     ) -> list[Generation]:
         """Decode one completion per prompt (greedy at temperature 0).
 
@@ -148,7 +150,8 @@ class FanoutDecoder:
         0 = no stop), and its text is cut before that break. `enforce_lines` (with a stop) masks
         <eos> before the last line and line breaks on an empty line (`line_grammar`); `names`
         (with a stop) applies that grammar whatever `enforce_lines` says and moreover keeps
-        every line a catalog name (`service.fanout.trie.name_grammar`).
+        every line a catalog name (`service.fanout.trie.name_grammar`). Past `deadline`
+        (time.monotonic()), DeadlineError between two steps.
         """
         if not prompts:
             return []
@@ -188,6 +191,7 @@ class FanoutDecoder:
             done |= newly
             if done.all() or step == budget - 1:
                 break
+            check(deadline, "fan-out decoding")
             mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)
             logits, past = self._step(token[:, None], mask, next_pos, past)
             next_pos = next_pos + 1

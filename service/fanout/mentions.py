@@ -37,6 +37,7 @@ FEATURES = (
 ABSENT_RANK = 99.0
 EARLY = 3  # "a portable shelter": the genus sits in a gloss's first words
 MENTION_CACHE = 1024  # queries whose mention lists are kept (a batch's, and repeats)
+ROW_CACHE = 1 << 17  # items whose parts and name fan-in are kept (features are per item)
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,12 @@ class MentionFeatures:
         self.lexical: LexicalIndex = bundle.lexical
         self.hybrid = Candidates.of(bundle, "hybrid")
         self.texts, self.embeddings, self.sizes = bundle.items.texts, bundle.items.embeddings, sizes
-        self.name_fanin = functools.lru_cache(maxsize=1 << 17)(self._name_fanin)
-        self.parts = functools.lru_cache(maxsize=1 << 17)(self._parts)
+        # per-item caches over functions that do not hold `self`: a cache holding its owner
+        # is a reference cycle, which would keep a retired bundle until a full collection
+        self.name_fanin = functools.lru_cache(maxsize=ROW_CACHE)(
+            functools.partial(name_fanin, self.lexical, self.texts))
+        self.parts = functools.lru_cache(maxsize=ROW_CACHE)(
+            functools.partial(item_parts, self.lexical, self.texts))
         # a query's mentions, read once for its candidates and once for its features
         self.mentions = functools.lru_cache(maxsize=MENTION_CACHE)(self.lexical.mentions)
 
@@ -99,18 +104,27 @@ class MentionFeatures:
                 math.log1p(self.name_fanin(row)), len(name), float(bool(set(name) & set(asked))),
                 float(bool(name) and bool(asked) and name[-1] == asked[-1]), size]
 
-    def _parts(self, row: int) -> tuple[tuple[str, ...], tuple[str, ...], int]:
-        """An item's name tokens, its description's tokens (after the first colon, else the
-        whole text) and its text's token count: per item, not per query."""
-        text = self.texts[row]
-        _, colon, gloss = text.partition(":")
-        described = self.tokens(gloss) if colon else self.tokens(text)
-        return tuple(self.tokens(item_name(text))), tuple(described), len(self.tokens(text))
-
     def tokens(self, text: str) -> list[str]:
-        """The text's index tokens, in order, repeats kept (the lexical index's stemming)."""
-        tokenize = self.lexical.tokenizer.tokens
-        return [t for word in WORD.findall(text.lower()) for t in tokenize(word)]
+        return index_tokens(self.lexical, text)
 
-    def _name_fanin(self, row: int) -> int:
-        return self.lexical.breadth(item_name(self.texts[row]))
+
+def index_tokens(lexical: LexicalIndex, text: str) -> list[str]:
+    """The text's index tokens, in order, repeats kept (the lexical index's stemming)."""
+    tokenize = lexical.tokenizer.tokens
+    return [t for word in WORD.findall(text.lower()) for t in tokenize(word)]
+
+
+def item_parts(lexical: LexicalIndex, texts: Sequence[str], row: int
+               ) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    """An item's name tokens, its description's tokens (after the first colon, else the
+    whole text) and its text's token count: per item, not per query."""
+    text = texts[row]
+    _, colon, gloss = text.partition(":")
+    described = index_tokens(lexical, gloss if colon else text)
+    return (tuple(index_tokens(lexical, item_name(text))), tuple(described),
+            len(index_tokens(lexical, text)))
+
+
+def name_fanin(lexical: LexicalIndex, texts: Sequence[str], row: int) -> int:
+    """Texts holding the item's name: how category-like it is."""
+    return lexical.breadth(item_name(texts[row]))

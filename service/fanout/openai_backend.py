@@ -2,7 +2,8 @@
 
 One HTTP call per batch (`prompt` is a list; answers come back by `index`), a pooled
 keep-alive client, a timeout per attempt, and retries with exponential backoff on transport
-errors, 429 and 5xx (honouring a short Retry-After). Runs in the AR batcher's worker thread.
+errors, 429 and 5xx (honouring a short Retry-After), all within the batch's deadline: no
+attempt or backoff outlasts it. Runs in the AR batcher's worker thread.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from typing import Any
 
 import httpx
 
+from service.deadline import check, left_s
 from service.errors import UnavailableError
 from service.fanout.format import MAX_NEW_TOKENS, Generation
 
 RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_RETRY_AFTER_S = 5.0
+CONNECT_TIMEOUT_S = 3.0  # a loopback or in-cluster endpoint connects in far less
+MIN_TIMEOUT_S = 0.001  # httpx reads 0 as "fail at once"; a deadline this close still gets a try
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,8 @@ class OpenAICompletionBackend:
         self._client = httpx.Client(
             base_url=config.base_url.rstrip("/"),
             headers=headers,
-            timeout=httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 3.0)),
+            timeout=httpx.Timeout(config.timeout_s,
+                                  connect=min(config.timeout_s, CONNECT_TIMEOUT_S)),
             limits=httpx.Limits(
                 max_connections=config.max_connections,
                 max_keepalive_connections=config.max_connections,
@@ -61,7 +66,8 @@ class OpenAICompletionBackend:
             "timeout_s": c.timeout_s, "retries": c.retries,
         }
 
-    def generate(self, prompts: list[str]) -> list[Generation]:
+    def generate(self, prompts: list[str], deadline: float | None = None
+                 ) -> list[Generation]:
         body = {
             "model": self.config.model,
             "prompt": list(prompts),
@@ -69,18 +75,22 @@ class OpenAICompletionBackend:
             "temperature": self.config.temperature,
             "n": 1,
         }
-        payload = self._post("/completions", body)
+        payload = self._post("/completions", body, deadline)
         return [Generation(text, 0) for text in self._texts(payload, len(prompts))]
 
     def close(self) -> None:
         self._client.close()
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, body: dict[str, Any], deadline: float | None
+              ) -> dict[str, Any]:
         last = "no attempt made"
         for attempt in range(self.config.retries + 1):
             delay = self.config.backoff_s * 2**attempt * (0.5 + self._rng.random())
+            check(deadline, f"the completion call ({last})")
+            timeout_s = max(left_s(deadline, self.config.timeout_s), MIN_TIMEOUT_S)
             try:
-                response = self._client.post(path, json=body)
+                response = self._client.post(path, json=body, timeout=httpx.Timeout(
+                    timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)))
             except httpx.TransportError as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:
@@ -91,7 +101,8 @@ class OpenAICompletionBackend:
                     break
                 delay = max(delay, _retry_after(response))
             if attempt < self.config.retries:
-                time.sleep(delay)
+                time.sleep(max(left_s(deadline, delay), 0.0))
+        check(deadline, f"the completion call ({last})")  # a 504 when that is what cut it
         raise UnavailableError(f"completion endpoint {self.config.base_url} failed: {last}")
 
     @staticmethod

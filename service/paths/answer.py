@@ -18,6 +18,7 @@ class PathQuery:
     k: int
     where: Where | None = None  # metadata filter on the returned items
     lead: int = 0  # fan-out routes: the query's own nearest items put first (route=auto)
+    deadline: float | None = None  # time.monotonic() by which it is due (None: unbounded)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.artifacts.bundle import Bundle
+from service.deadline import earliest
 from service.errors import BundleError
 from service.fanout.cache import FanoutCache
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
@@ -29,7 +30,10 @@ class FanoutBackend(Protocol):
 
     name: str
 
-    def generate(self, prompts: list[str]) -> list[Generation]: ...
+    def generate(self, prompts: list[str], deadline: float | None = None
+                 ) -> list[Generation]:
+        """`deadline` (time.monotonic()): past it, DeadlineError instead of a late answer."""
+        ...
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -60,10 +64,12 @@ class OnnxFanoutBackend:
         self.names = NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]), decoding,
                                     catalog_names) if decoding in NAME_SCOPES else None
 
-    def generate(self, prompts: list[str]) -> list[Generation]:
+    def generate(self, prompts: list[str], deadline: float | None = None
+                 ) -> list[Generation]:
         return self.decoder.generate(
             prompts, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
             seed=self.seed, enforce_lines=self.decoding != "free", names=self.names,
+            deadline=deadline,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -107,7 +113,8 @@ class AutoregressivePath:
         texts = [q.text for q in batch]
         queries = self.encoder.encode(texts)  # (B, d)
         clock.lap("encode")
-        generations, cached = self._fanouts(texts, queries, clock)
+        generations, cached = self._fanouts(texts, queries, clock,
+                                            earliest(q.deadline for q in batch))
         parsed = [parse_fanout(g.text, self.fanout_k) for g in generations]
         fresh = [i for i, p in enumerate(parsed) if not cached[i] and p.well_formed]
         self.cache.put_many([texts[i] for i in fresh],  # a malformed one is asked again
@@ -144,16 +151,16 @@ class AutoregressivePath:
         clock.lap("postprocess")
         return stamp(answers, clock)
 
-    def _fanouts(self, texts: list[str], queries: np.ndarray,
-                 clock: StageClock) -> tuple[list[Generation], list[bool]]:
+    def _fanouts(self, texts: list[str], queries: np.ndarray, clock: StageClock,
+                 deadline: float | None) -> tuple[list[Generation], list[bool]]:
         """Each query's fan-out, from the cache or from the model (prompted for the misses
-        only), and whether it came from the cache."""
+        only, bounded by the batch's earliest deadline), and whether it came from the cache."""
         found = self.cache.get_many(texts)
         missing = [i for i, g in enumerate(found) if g is None]
         if missing:
             prompts = self.prompt_builder.prompts([texts[i] for i in missing], queries[missing])
             clock.lap("context")
-            generated = self.backend.generate(prompts)
+            generated = self.backend.generate(prompts, deadline)
             if len(generated) != len(missing):
                 raise RuntimeError(f"{len(generated)} completions for {len(missing)} queries")
             clock.lap("decode")

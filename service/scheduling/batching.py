@@ -6,7 +6,9 @@ never waits for company (as in TEI's continuous batching). With `max_wait_ms` > 
 that is not full also waits that long after its first request for more. Each
 request awaits its own future; requests whose caller went away (future cancelled) or whose
 deadline passed are dropped before compute. The compute function runs in the batcher's own
-worker thread, off the event loop, one batch at a time.
+worker thread, off the event loop, one batch at a time. A batch failing with an error a
+request's data can cause (REQUEST_ERRORS) is computed again request by request, so one bad
+request fails only itself.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from service.errors import DeadlineError, OverloadError, UnavailableError
+from service.errors import DeadlineError, InputError, OverloadError, UnavailableError
 from service.metrics import Metrics
 
 log = logging.getLogger("r4t.batching")
@@ -30,6 +32,9 @@ P = TypeVar("P")
 R = TypeVar("R")
 EWMA_ALPHA = 0.2  # weight of the newest batch in the compute-time estimate
 CLOSE_GRACE_S = 10.0
+# errors a request's own data can cause; any other (an engine's: ONNX Runtime, FAISS, an
+# endpoint) is the route's, and computing each request alone would only repeat it
+REQUEST_ERRORS = (InputError, LookupError, TypeError, ValueError)
 
 
 @dataclass
@@ -109,13 +114,17 @@ class Batcher(Generic[P, R]):
 
     def admit(self, deadline: float) -> None:
         """Refuse (OverloadError) a request that would wait longer than its share of the time
-        it has left: refused now it costs a fast 429, admitted it would time out as a 504."""
-        expected = self.expected_wait_s()
-        budget = (deadline - time.monotonic()) * self.admit_wait_fraction
-        if expected > budget:
+        it has left, or whose wait and its own compute (the measured compute per request: a
+        path that refused everything would keep a batch-time estimate it could never revise)
+        outlast that time: refused now it costs a fast 429, admitted it would time out as a
+        504."""
+        expected, left = self.expected_wait_s(), deadline - time.monotonic()
+        budget = left * self.admit_wait_fraction
+        if expected > budget or expected + self.item_s_estimate > left:
             raise OverloadError(
-                f"the {self.name} route is busy: expected wait {expected * 1000:.0f} ms exceeds "
-                f"this request's budget of {max(budget, 0.0) * 1000:.0f} ms; retry shortly",
+                f"the {self.name} route is busy: expected wait {expected * 1000:.0f} ms (budget "
+                f"{max(budget, 0.0) * 1000:.0f} ms), then {self.item_s_estimate * 1000:.0f} ms "
+                f"of compute, against {max(left, 0.0) * 1000:.0f} ms left; retry shortly",
                 retry_after_s=expected,
             )
 
@@ -213,27 +222,36 @@ class Batcher(Generic[P, R]):
         return live
 
     async def _compute_batch(self, jobs: list[Job[P]]) -> None:
-        started = self._computing_since = time.monotonic()
-        loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(
-                self._executor, self._compute, [job.payload for job in jobs]
-            )
-        except Exception as exc:  # the path failed: every caller of this batch gets the error
+            results, started = await self._timed_compute(jobs)
+        except Exception as exc:
+            if len(jobs) == 1 or not isinstance(exc, REQUEST_ERRORS):
+                self._fail(jobs, exc)  # the route failed: every caller gets the error
+                return
+            log.warning("a batch of %d failed (%s: %s); computing each request alone, so that "
+                        "one bad request fails only itself", len(jobs), type(exc).__name__, exc)
             for job in jobs:
-                if not job.future.done():
-                    job.future.set_exception(exc)
+                if self._live([job]):
+                    await self._compute_batch([job])
             return
-        finally:
-            elapsed = time.monotonic() - started
-            self._computing_since = None
-            self.batch_s_estimate = ewma(self.batch_s_estimate, elapsed)
-            self.item_s_estimate = ewma(self.item_s_estimate, elapsed / len(jobs))
         if self._metrics is not None:
             self._metrics.batch_size.labels(route=self.name).observe(len(jobs))
         for job, result in zip(jobs, results, strict=True):
             if not job.future.done():
                 job.future.set_result(Completed(result, started - job.enqueued, len(jobs)))
+
+    async def _timed_compute(self, jobs: list[Job[P]]) -> tuple[Sequence[R], float]:
+        """The batch's results and when its compute started; the estimates learn its time."""
+        started = self._computing_since = time.monotonic()
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._compute, [job.payload for job in jobs])
+        finally:
+            elapsed = time.monotonic() - started
+            self._computing_since = None
+            self.batch_s_estimate = ewma(self.batch_s_estimate, elapsed)
+            self.item_s_estimate = ewma(self.item_s_estimate, elapsed / len(jobs))
+        return results, started
 
     def _set_depth(self) -> None:
         if self._metrics is not None:

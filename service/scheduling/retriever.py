@@ -4,8 +4,9 @@ on reload. A bundle with only its catalog serves the `single` route; the AR rout
 A/B arm (a narrow query asked with route=auto goes to `single` instead: the fan-out trigger,
 service/scheduling/trigger.py) and falls back from the diffusion route to ar (or, without it, to
 `single`) when diffusion is unavailable, fails, or fails the quality gate (groundedness below
-the threshold); every fallback is counted by reason. A diffusion path too busy to answer in
-time refuses (429) instead: the slower AR path would not do better.
+the threshold), and from a failing ar or ranked route to `single`; every fallback is counted by
+reason. A route too busy to answer in time refuses (429) instead: the slower AR path would not
+do better.
 """
 
 from __future__ import annotations
@@ -277,10 +278,10 @@ class Retriever:
 
     async def warm_up(self, strict: bool) -> None:
         """Run each path end to end; a failing path is dropped (or, if strict, refused)."""
-        queries = [PathQuery(WARMUP_QUERIES[i % len(WARMUP_QUERIES)], 10)
-                   for i in range(self.settings.warmup_queries)]
         for name in list(self.paths):
             deadline = time.monotonic() + WARMUP_DEADLINE_S
+            queries = [PathQuery(WARMUP_QUERIES[i % len(WARMUP_QUERIES)], 10, deadline=deadline)
+                       for i in range(self.settings.warmup_queries)]
             try:
                 for query in queries[:1]:  # batch of one, then a full warm-up batch
                     await self.batchers[name].submit(query, deadline)
@@ -294,7 +295,7 @@ class Retriever:
                 await self.batchers.pop(name).close()
                 dropped = self.paths.pop(name)
                 if isinstance(dropped, AutoregressivePath):
-                    dropped.backend.close()
+                    await asyncio.to_thread(dropped.backend.close)
         if not self.paths:
             raise BundleError(f"no retrieval path survived warm-up: {self.problems}")
         self.router = Router(self.weights, set(self.paths), self.settings.seed)
@@ -304,11 +305,15 @@ class Retriever:
             diffusion.sampler.armed = True  # faults start once the path is serving
 
     async def close(self) -> None:
+        """Close the batchers, then the AR backend in a thread (llama.cpp's close waits for
+        the decode in progress); the batchers are dropped, since their compute functions hold
+        this retriever: a cycle that would keep the retired bundle until a full collection."""
         for batcher in self.batchers.values():
             await batcher.close()
+        self.batchers = {}
         ar = self.paths.get("ar")
         if isinstance(ar, AutoregressivePath):
-            ar.backend.close()
+            await asyncio.to_thread(ar.backend.close)
 
     @property
     def providers(self) -> dict[str, list[str]]:
@@ -345,7 +350,7 @@ class Retriever:
         assignment = self.router.assign(request.user_id, request.route)
         decision = self._decide(request, assignment)
         query = PathQuery(request.query, request.k, where_of(request.filter, self.filter_fields),
-                          lead=decision.lead if decision is not None else 0)
+                          lead=decision.lead if decision is not None else 0, deadline=deadline)
         route = assignment.route if decision is None or decision.fanout else "single"
         reason: str | None = None
         timings: dict[str, float] = {}
@@ -358,7 +363,8 @@ class Retriever:
                     timings["diffusion_attempt"] = time.monotonic() - started
                     route = "ar" if "ar" in self.batchers else "single"
             if completed is None:
-                completed, route = await self._submit_or_single(route, query, deadline, reason)
+                completed, route, reason = await self._submit_or_single(
+                    route, query, deadline, reason, forced=request.route == route)
         except R4TError as exc:  # the HTTP layer labels the failure with the path tried
             exc.route, exc.arm = route, assignment.arm
             raise
@@ -396,20 +402,24 @@ class Retriever:
         return await batcher.submit(query, deadline)
 
     async def _submit_or_single(
-        self, route: str, query: PathQuery, deadline: float, fallback: str | None
-    ) -> tuple[Completed[PathAnswer], str]:
-        """`route`'s answer; after a diffusion fallback, a failing AR route hands the query on
-        to `single`, the last route down (a request that asked for `route` keeps its error)."""
+        self, route: str, query: PathQuery, deadline: float, fallback: str | None, forced: bool
+    ) -> tuple[Completed[PathAnswer], str, str | None]:
+        """`route`'s answer, its route and the fallback reason. A failing fan-out route hands
+        the query on to `single`, the last route down, with the reason "error" (or the diffusion
+        fallback's); a request that asked for ar or ranked itself keeps its error."""
         try:
-            return await self._submit(route, query, deadline, fallback), route
+            return await self._submit(route, query, deadline, fallback), route, fallback
         except (OverloadError, DeadlineError, IndexUnavailableError):
             raise  # single would not do better
         except Exception:
-            if fallback is None or route == "single" or "single" not in self.batchers:
+            if route == "single" or "single" not in self.batchers or (forced and not fallback):
                 raise
-            log.warning("the %s route failed after a diffusion fallback (%s); answering with "
+            log.warning("the %s route failed (after a diffusion fallback: %s); answering with "
                         "single", route, fallback, exc_info=True)
-            return await self._submit("single", query, deadline, fallback), "single"
+        if fallback is None:
+            fallback = "error"
+            self.metrics.fallbacks.labels(reason=fallback).inc()
+        return await self._submit("single", query, deadline, fallback), "single", fallback
 
     async def _try_diffusion(
         self, query: PathQuery, deadline: float

@@ -2,7 +2,9 @@
 
 A narrow query ("golden retriever") wants the item it names and its close kin; ten
 complementary items only pay for a broad one ("vehicle"). The score is the query's breadth in
-the catalog: ln(1 + the number of item texts that hold every searched word of the query). A
+the catalog: ln(1 + the number of item texts that hold every searched word of the query), a
+searched word being one the catalog uses and not among its most frequent (a typo or a word
+no text has is left out rather than making every query that holds it narrow). A
 broad query is the genus that many items' descriptions name; a narrow one few or none. It
 reads the catalog's lexical index only (no labels, no model), in microseconds. The threshold is
 chosen where fanning out pays on the mixed val split (`r4t eval --trigger-curve`). A query the
@@ -55,6 +57,6 @@ class FanoutTrigger:
                         self.lead if broad else 0)
 
     def describe(self) -> dict[str, object]:
-        return {"score": "ln(1 + catalog texts holding every query word)",
+        return {"score": "ln(1 + catalog texts holding every query word the catalog uses)",
                 "threshold": self.threshold, "lead": self.lead,
                 "lexical_index": self.lexical is not None}

@@ -188,9 +188,11 @@ def test_cancelled_and_expired_requests_are_skipped_before_compute():
     assert skipped(batcher, "cancelled") + skipped(batcher, "deadline") == 2
 
 
-def test_compute_errors_reach_every_caller_of_the_batch():
+def test_an_engine_error_reaches_every_caller_of_the_batch_once():
+    recorder = Recorder(fail=True)
+
     async def scenario():
-        batcher = make(Recorder(fail=True))
+        batcher = make(recorder)
         batcher.start()
         outcomes = await asyncio.gather(*(batcher.submit(i, far()) for i in range(3)),
                                         return_exceptions=True)
@@ -200,6 +202,36 @@ def test_compute_errors_reach_every_caller_of_the_batch():
     outcomes = run(scenario())
     assert len(outcomes) == 3
     assert all(isinstance(o, RuntimeError) and str(o) == "model exploded" for o in outcomes)
+    assert len(recorder.batches) == 1  # an engine's error: not tried request by request
+
+
+class Picky(Recorder):
+    """Fails any batch holding a negative payload with a ValueError (a request's data)."""
+
+    def __call__(self, payloads: Sequence[int]) -> list[int]:
+        if any(p < 0 for p in payloads):
+            self.batches.append(list(payloads))
+            raise ValueError("cannot serve a negative")
+        return super().__call__(payloads)
+
+
+def test_one_bad_request_fails_only_itself():
+    recorder = Picky()
+
+    async def scenario():
+        batcher = make(recorder, max_wait_ms=200.0)
+        batcher.start()
+        try:
+            return await asyncio.gather(*(batcher.submit(p, far()) for p in (1, -1, 2)),
+                                        return_exceptions=True)
+        finally:
+            await batcher.close()
+
+    good, bad, other = run(scenario())
+    assert (good.result, other.result) == (2, 4)
+    assert isinstance(bad, ValueError)
+    assert recorder.batches[0] == [1, -1, 2]  # one batch failed, then each alone
+    assert sorted(map(tuple, recorder.batches[1:])) == [(-1,), (1,), (2,)]
 
 
 def test_closed_batcher_refuses_new_work_and_finishes_queued_work():
@@ -332,6 +364,28 @@ def test_a_batch_stalled_past_its_estimate_stops_admission():
             assert (await stalled).result == 4
         finally:
             recorder.release.set()
+            await batcher.close()
+
+    run(scenario())
+
+
+def test_admission_counts_the_requests_own_batch_compute():
+    """An idle path whose batches take longer than a request's whole deadline refuses it at
+    once (429) instead of computing an answer nobody waits for (issue 41, item 2)."""
+    work = Working(1.5)
+
+    async def scenario():
+        batcher = Batcher("t", work, max_batch_size=1, max_wait_ms=0, queue_size=4,
+                          admit_wait_fraction=0.5)
+        batcher.start()
+        try:
+            await batcher.submit(1, time.monotonic() + 10.0)  # measures the batch time
+            assert batcher.expected_wait_s() == 0.0  # idle: nothing to wait for
+            with pytest.raises(OverloadError) as refused:  # its own batch outlasts 1 s
+                await batcher.submit(2, time.monotonic() + 1.0)
+            assert "of compute" in str(refused.value)
+            assert (await batcher.submit(3, time.monotonic() + 10.0)).result == 6
+        finally:
             await batcher.close()
 
     run(scenario())

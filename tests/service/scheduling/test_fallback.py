@@ -122,3 +122,24 @@ def test_an_ar_failure_after_a_diffusion_fallback_is_answered_by_single(settings
             assert forced.status_code == 503
         finally:
             completion_server.state.fail_next = 0
+
+
+def test_a_failing_ar_arm_is_answered_by_single_and_counted(settings_for, completion_server):
+    """A/B put the user on AR and the AR endpoint fails: `single` answers with the reason
+    "error", counted; a request that named `ar` itself keeps its 503."""
+    settings = settings_for(routes="ar=1", openai_retries=0)
+    with live_server(settings) as live, live.client() as client:
+        before = fallback_count(client, "error")
+        completion_server.state.fail_next = 1
+        try:
+            body = client.post("/v1/retrieve", json={"query": "oak", "fanout": "always"})
+            assert body.status_code == 200, body.text
+            assert (body.json()["arm"], body.json()["route"]) == ("ar", "single")
+            assert body.json()["fallback"] == {"used": True, "reason": "error"}
+            assert_k_unique(body.json(), 10)
+            assert fallback_count(client, "error") == before + 1
+            completion_server.state.fail_next = 1
+            forced = client.post("/v1/retrieve", json={"query": "oak", "route": "ar"})
+            assert forced.status_code == 503
+        finally:
+            completion_server.state.fail_next = 0

@@ -1,0 +1,77 @@
+"""The served state's life cycle: a retired retriever is freed by reference counting (no cycle
+left for a full collection to find), and closing one never stops the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import weakref
+from pathlib import Path
+
+from service.metrics import Metrics
+from service.scheduling.retriever import Loaders, Retriever
+from service.settings import Settings
+from tests.service.fanout.test_llama_backend import llm_bundle, tiny_gguf  # noqa: F401
+
+HOLD_S = 30.0  # bound on the simulated decode; reached only when the loop is stopped
+
+
+async def loaded(settings: Settings) -> Retriever:
+    retriever = Retriever.load(settings, Metrics(), settings.bundle, Loaders())
+    retriever.start()
+    await retriever.warm_up(strict=True)
+    return retriever
+
+
+def test_a_closed_retriever_is_freed_without_the_cyclic_collector(settings_for):
+    """The service freezes the served bundle out of the collector's reach (a full collection
+    stops the loop); a cycle through a retired bundle would then hold its memory for good."""
+
+    async def retire() -> list[weakref.ref]:
+        retriever = await loaded(settings_for(warmup_queries=2))
+        assert {"ranked", "ar", "single"} <= set(retriever.paths)
+        bundle = retriever.bundle
+        held = [retriever, bundle, bundle.index, bundle.lexical, bundle.lexical.tokenizer]
+        await retriever.close()
+        return [weakref.ref(thing) for thing in held]
+
+    gc.collect()
+    gc.disable()
+    try:
+        refs = asyncio.run(retire())
+        assert [ref() for ref in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
+
+
+def test_closing_a_llama_policy_mid_decode_leaves_the_loop_running(llm_bundle: Path):  # noqa: F811
+    """llama.cpp's close waits for the decode in progress; the retriever waits for it in a
+    thread, so the loop goes on (here: it sees close waiting and ends the decode)."""
+    ticked, closing = threading.Event(), threading.Event()
+
+    async def close_while_decoding() -> bool:
+        retriever = await loaded(Settings(bundle=llm_bundle, threads=1, warmup_queries=1,
+                                          index="bundle"))
+        backend = retriever.paths["ar"].backend
+        close, held = backend.close, threading.Event()
+
+        def decode() -> bool:  # what a long llama batch does: hold the backend's lock
+            with backend._lock:
+                held.set()
+                return ticked.wait(HOLD_S)  # ended by the loop, if it runs
+
+        def close_and_say() -> None:
+            closing.set()
+            close()  # waits for the lock
+
+        backend.close = close_and_say
+        decoding = asyncio.get_running_loop().run_in_executor(None, decode)
+        await asyncio.to_thread(held.wait, HOLD_S)
+        task = asyncio.create_task(retriever.close())
+        await asyncio.to_thread(closing.wait, HOLD_S)  # close is waiting on the lock
+        ticked.set()  # and the loop still ran
+        await task
+        return await decoding
+
+    assert asyncio.run(close_while_decoding())
