@@ -254,11 +254,14 @@ class _CompletionHandler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up (its deadline)
+            return
 
     def log_message(self, *args: Any) -> None:
         return None
@@ -448,3 +451,29 @@ def shipped_settings(bundle: Path, completion: CompletionServer | None, **harnes
                 for name, field in Settings.model_fields.items()}
     return Settings(**{**defaults, "bundle": bundle, "admin_token": ADMIN_TOKEN, "threads": 1,
                        "openai_base_url": completion.url if completion else None, **harness})
+
+
+LLM_K, LLM_CONTEXT = 10, 16  # the tiny GGUF policy's fan-out and prompt names
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.gguf_model import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def llm_bundle(small_bundle_dir: Path, tiny_gguf: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small catalog with the tiny GGUF as its AR policy (names mode, 16 hybrid names)."""
+    from service.fanout.instruction import MAX_QUESTION_CHARS
+    from service.fanout.llama_backend import LlamaConfig
+    from training.stage1_fanout.gguf import commit_llm
+
+    target = tmp_path_factory.mktemp("llm") / "llm"
+    shutil.copytree(small_bundle_dir, target)
+    commit_llm(target, tiny_gguf, LlamaConfig(mode="names", k=LLM_K, context=LLM_CONTEXT,
+                                              max_new_tokens=LLM_K * MAX_QUESTION_CHARS * 2,
+                                              n_ctx=4096))  # random weights: byte-level names
+    return target

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from service.errors import DeadlineError
 from service.fanout.decoding import (
     FanoutDecoder,
     line_grammar,
@@ -160,6 +162,40 @@ def test_line_grammar_gives_exactly_k_non_empty_lines(exported: tuple[Path, Path
     finished = [g for g in held if g.n_tokens < 120]
     assert len(finished) > len(prompts) // 2
     assert not [g.text for g in finished if broken(g.text)]
+
+
+class CountingDecoder(FanoutDecoder):
+    """Counts its model runs: the prompt's, then one per generated token."""
+
+    steps = 0
+
+    def _step(self, *args: np.ndarray | dict) -> tuple[np.ndarray, dict]:
+        self.steps += 1
+        return super()._step(*args)
+
+
+def test_a_passed_deadline_stops_decoding_before_the_next_step(
+        exported: tuple[Path, Path]) -> None:
+    """Issue 41 item 3: past the batch's deadline no further step runs (a 504), both through
+    the decoder and the AR path's ONNX backend; an unbounded call decodes as before."""
+    from service.paths.autoregressive import OnnxFanoutBackend
+
+    _, folder = exported
+    decoder = CountingDecoder(folder, threads=1)
+    kwargs = {"max_new_tokens": 12, "max_lines": 0}
+    with pytest.raises(DeadlineError, match="fan-out decoding"):
+        decoder.generate(PROMPTS, deadline=time.monotonic() - 1.0, **kwargs)
+    assert decoder.steps == 1  # the prompt's run only: no token step after the deadline
+    decoder.steps = 0
+    unbounded = decoder.generate(PROMPTS, deadline=None, **kwargs)
+    assert decoder.steps > 1
+    assert [g.text for g in unbounded] == [g.text for g in decoder.generate(PROMPTS, **kwargs)]
+    assert [g.text for g in decoder.generate(PROMPTS, deadline=time.monotonic() + 60.0,
+                                             **kwargs)] == [g.text for g in unbounded]
+    backend = OnnxFanoutBackend(decoder, 0.0, 12, 0, decoding="free")
+    with pytest.raises(DeadlineError):
+        backend.generate(PROMPTS, time.monotonic() - 1.0)
+    assert [g.text for g in backend.generate(PROMPTS, None)] == [g.text for g in unbounded]
 
 
 def test_line_grammar_masks() -> None:

@@ -3,14 +3,15 @@ holds whatever the weights, and the AR route answers through it over real HTTP."
 
 from __future__ import annotations
 
-import shutil
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from service.artifacts.bundle import Bundle, load_bundle, verify_bundle
-from service.errors import BundleError, UnavailableError
+from service.errors import BundleError, DeadlineError, UnavailableError
 from service.fanout.candidates import Candidates
 from service.fanout.format import (
     PromptBuilder,
@@ -27,27 +28,9 @@ from service.fanout.instruction import (
 from service.fanout.llama_backend import LlamaConfig, LlamaCppFanoutBackend
 from service.runtime.encoder import Encoder
 from tests.gguf_model import CHAT_TEMPLATE, write_tiny_gguf
-from tests.service.conftest import live_server, make_settings
-from training.stage1_fanout.gguf import commit_llm
+from tests.service.conftest import LLM_CONTEXT, LLM_K, live_server, make_settings
 
-K, CONTEXT = 10, 16
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-
-
-@pytest.fixture(scope="module")
-def llm_bundle(small_bundle_dir: Path, tiny_gguf: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The small catalog with the tiny GGUF as its AR policy (names mode, 16 hybrid names)."""
-    target = tmp_path_factory.mktemp("llm") / "llm"
-    shutil.copytree(small_bundle_dir, target)
-    commit_llm(target, tiny_gguf, LlamaConfig(mode="names", k=K, context=CONTEXT,
-                                              max_new_tokens=K * MAX_QUESTION_CHARS * 2,
-                                              n_ctx=4096))  # random weights: byte-level names
-    return target
+K, CONTEXT = LLM_K, LLM_CONTEXT
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +112,54 @@ def test_greedy_decoding_repeats_itself(tiny_gguf, prompts):
     first, again = llm.generate(prompts[:1]), llm.generate(prompts[:1])
     llm.close()
     assert first[0].text == again[0].text
+
+
+def spy_completions(llm: LlamaCppFanoutBackend) -> list[dict[str, Any]]:
+    """The completions llama.cpp returns to the backend, recorded as they come back."""
+    returned: list[dict[str, Any]] = []
+    complete = llm.llm.create_completion
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        returned.append(complete(*args, **kwargs))
+        return returned[-1]
+
+    llm.llm.create_completion = recorded
+    return returned
+
+
+def test_a_passed_deadline_starts_no_completion(tiny_gguf, prompts):
+    """Issue 41 item 3: a batch whose deadline passed is not decoded (a 504); an unbounded
+    or distant one is decoded as before."""
+    llm = backend(tiny_gguf, "names")
+    returned = spy_completions(llm)
+    try:
+        with pytest.raises(DeadlineError, match=r"llama\.cpp decoding"):
+            llm.generate(prompts[:2], deadline=time.monotonic() - 1.0)
+        assert returned == []
+        unbounded = llm.generate(prompts[:1], deadline=None)
+        distant = llm.generate(prompts[:1], deadline=time.monotonic() + 60.0)
+    finally:
+        llm.close()
+    assert len(unbounded[0].text.split("\n")) == K
+    assert distant[0].text == unbounded[0].text
+
+
+def test_a_deadline_passing_mid_completion_cuts_it(tiny_gguf):
+    """A completion far longer than the time left (many free lines) is stopped at the deadline
+    by the stopping criterion, unfinished, and the batch fails with DeadlineError instead of
+    returning text."""
+    lines = 100  # thousands of tokens: seconds of decoding, far past the deadline below
+    llm = LlamaCppFanoutBackend(tiny_gguf, LlamaConfig(
+        mode="free", k=lines, context=CONTEXT, max_new_tokens=lines * MAX_NAME_CHARS * 2,
+        n_ctx=lines * MAX_NAME_CHARS * 2 + 1024), threads=1)
+    returned = spy_completions(llm)
+    try:
+        with pytest.raises(DeadlineError, match=r"llama\.cpp decoding"):
+            llm.generate([build_prompt("tree")], deadline=time.monotonic() + 0.3)
+    finally:
+        llm.close()
+    assert len(returned) == 1  # started before the deadline
+    assert returned[0]["choices"][0]["text"].count("\n") < lines - 1  # and cut short
 
 
 def test_grammar_escapes_names_and_counts_lines():

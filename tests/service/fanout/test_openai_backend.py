@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
-from service.errors import UnavailableError
+from service.artifacts.bundle import load_bundle
+from service.errors import DeadlineError, UnavailableError
 from service.fanout.format import build_prompt, parse_fanout
 from service.fanout.openai_backend import OpenAICompletionBackend, OpenAIConfig
+from service.paths.answer import PathQuery
+from service.paths.autoregressive import AutoregressivePath
+from service.runtime.encoder import Encoder
+from tests.service.conftest import WAIT_S, holding_completions, wait_until
 
 
 def backend(url: str, **kwargs) -> OpenAICompletionBackend:
@@ -50,3 +60,111 @@ def test_unreachable_endpoint_is_unavailable():
     with pytest.raises(UnavailableError, match="ConnectError"):
         client.generate(["harp"])
     client.close()
+
+
+# issue 41 item 3: the batch's deadline bounds every attempt, backoff and retry
+
+
+BLOCKED_S = WAIT_S / 2  # under the endpoint's hold; reached only by a call ignoring its deadline
+
+
+def outcome_of(call: Callable[[], Any]) -> Any:
+    """What `call` returned or raised, run in a thread the test waits on (an event, bounded by
+    BLOCKED_S): a call still blocked then is the bug, a worker kept for a caller that left."""
+    outcome: list[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:  # the outcome under test
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(BLOCKED_S), f"the call was still blocked after {BLOCKED_S} s"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_a_deadline_passing_during_a_held_attempt_ends_the_call(completion_server, retries):
+    """The endpoint holds the request: the attempt's timeout (an hour) yields to the deadline,
+    and the call ends with a 504 (DeadlineError) after one request, not retries+1 attempts
+    each ending in a timeout and then a 503 (UnavailableError)."""
+    client = backend(completion_server.url, retries=retries, timeout_s=3600.0)
+    before = completion_server.state.requests
+    try:
+        with holding_completions(completion_server) as state:
+            error = outcome_of(lambda: client.generate(["harp"],
+                                                       deadline=time.monotonic() + 0.5))
+            assert isinstance(error, DeadlineError) and "deadline passed" in str(error)
+            wait_until(lambda: state.held == 1, "the one request, held by the endpoint")
+    finally:
+        client.close()
+    assert completion_server.state.requests == before + 1
+
+
+def test_a_passed_deadline_sends_no_request(completion_server):
+    client = backend(completion_server.url, retries=2)
+    before = completion_server.state.requests
+    try:
+        with pytest.raises(DeadlineError):
+            client.generate(["harp"], deadline=time.monotonic() - 1.0)
+    finally:
+        client.close()
+    assert completion_server.state.requests == before
+
+
+def test_no_backoff_sleeps_past_the_deadline(completion_server):
+    """A 503, then a backoff (an hour) longer than the time left: the call ends at the
+    deadline with a DeadlineError, no second attempt."""
+    completion_server.state.fail_next = 5
+    before = completion_server.state.requests
+    client = OpenAICompletionBackend(OpenAIConfig(base_url=completion_server.url, retries=1,
+                                                  backoff_s=3600.0))
+    try:
+        error = outcome_of(lambda: client.generate(["harp"], deadline=time.monotonic() + 0.5))
+    finally:
+        completion_server.state.fail_next = 0
+        client.close()
+    assert isinstance(error, DeadlineError) and "HTTP 503" in str(error)
+    assert completion_server.state.requests == before + 1
+
+
+@pytest.mark.parametrize("far", [False, True], ids=["unbounded", "distant-deadline"])
+def test_a_deadline_not_reached_keeps_the_retries_and_the_503(completion_server, far):
+    deadline = time.monotonic() + 60.0 if far else None
+    completion_server.state.fail_next = 2
+    before = completion_server.state.requests
+    client = backend(completion_server.url, retries=2)
+    try:
+        assert client.generate(["harp"], deadline=deadline)[0].text.startswith("harp 1")
+        assert completion_server.state.requests == before + 3
+        completion_server.state.fail_next = 5
+        with pytest.raises(UnavailableError, match="HTTP 503"):  # failed in time: a 503
+            client.generate(["harp"], deadline=deadline)
+    finally:
+        completion_server.state.fail_next = 0
+        client.close()
+    assert completion_server.state.requests == before + 6
+
+
+def test_the_ar_path_bounds_the_completion_call_by_the_batch_deadline(small_bundle_dir,
+                                                                       completion_server):
+    """The batch's earliest deadline reaches the backend: one query already late fails the
+    batch with a 504 and no completion request; an unbounded batch is answered."""
+    bundle = load_bundle(small_bundle_dir)
+    client = backend(completion_server.url, retries=2)
+    path = AutoregressivePath(bundle, Encoder(bundle.encoder_config), client, fanout_k=10,
+                              context=16)
+    before = completion_server.state.requests
+    try:
+        with pytest.raises(DeadlineError):
+            path([PathQuery("tree", 10), PathQuery("boat", 10, deadline=time.monotonic() - 1)])
+        assert completion_server.state.requests == before
+        answers = path([PathQuery("tree", 10, deadline=time.monotonic() + 60.0)])
+    finally:
+        client.close()
+    assert completion_server.state.requests == before + 1
+    assert len(answers) == 1 and len(set(answers[0].selection.rows)) == 10

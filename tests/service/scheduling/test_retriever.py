@@ -12,7 +12,6 @@ from pathlib import Path
 from service.metrics import Metrics
 from service.scheduling.retriever import Loaders, Retriever
 from service.settings import Settings
-from tests.service.fanout.test_llama_backend import llm_bundle, tiny_gguf  # noqa: F401
 
 HOLD_S = 30.0  # bound on the simulated decode; reached only when the loop is stopped
 
@@ -45,7 +44,7 @@ def test_a_closed_retriever_is_freed_without_the_cyclic_collector(settings_for):
         gc.enable()
 
 
-def test_closing_a_llama_policy_mid_decode_leaves_the_loop_running(llm_bundle: Path):  # noqa: F811
+def test_closing_a_llama_policy_mid_decode_leaves_the_loop_running(llm_bundle: Path):
     """llama.cpp's close waits for the decode in progress; the retriever waits for it in a
     thread, so the loop goes on (here: it sees close waiting and ends the decode)."""
     ticked, closing = threading.Event(), threading.Event()
