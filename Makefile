@@ -53,15 +53,13 @@ bundle: train-install
 eval: bundle
 	$(R4T) --bundle $(BUNDLE) eval --method all --split test --seeds 4 --index bundle
 
-# Fan out only when it pays: the trigger curve on the mixed val split (single vs the diffusion
-# route as route=auto serves it), then single, diffusion and auto on the broad, narrow and mixed
-# test splits -> models/default/eval/ (trigger_curve/, the paired tables printed)
+# Fan out only when it pays: the trigger curve on the mixed val split (single vs the served
+# fan-out, `ranked`, as route=auto chooses between them; the served threshold comes from it),
+# then single and ranked on the broad, narrow and mixed test splits -> models/default/eval/
 eval-auto: bundle
-	$(R4T) --bundle $(BUNDLE) eval --method single,diffusion,diffusion-led --split mixed-val \
-	  --seeds 4 --index bundle
-	$(R4T) --bundle $(BUNDLE) eval --trigger-curve --split mixed-val --method diffusion-led
+	$(R4T) --bundle $(BUNDLE) eval --trigger-curve --split mixed-val --method ranked
 	for split in test narrow-test mixed-test; do \
-	  $(R4T) --bundle $(BUNDLE) eval --method single,diffusion,auto --split $$split --seeds 4 \
+	  $(R4T) --bundle $(BUNDLE) eval --method single,ranked --split $$split --seeds 1 \
 	    --index bundle || exit 1; done
 
 # The main job: serve the default bundle on http://127.0.0.1:8000 while building whatever it

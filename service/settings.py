@@ -139,6 +139,13 @@ class Settings(BaseSettings):
         0.0, ge=0, le=1, description="Fraction of diffusion batches whose sampler run raises on "
         "purpose (chaos testing: their requests must fall back to AR); 0 in production.",
     )
+    fault_stall_rate: float = Field(
+        0.0, ge=0, le=1, description="Fraction of every route's batches that stall for "
+        "`fault_stall_s` before computing (chaos testing: admission must see the stall and "
+        "refuse with 429, not admit to a 504); 0 in production.",
+    )
+    fault_stall_s: float = Field(2.0, gt=0, le=60, description="How long a stalled batch "
+                                 "stalls (with fault_stall_rate).")
     # --- routing and fallback
     routes: str | None = Field(
         None, description="A/B weights of the arms, sticky per user_id. Unset: the bundle's "

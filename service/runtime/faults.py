@@ -1,10 +1,12 @@
 """Fault injection for chaos tests: a sampler whose runs fail for a set fraction of batches, so
-that the fallback to the AR path, its counter and its alert can be shown firing on purpose."""
+that the fallback to the AR path, its counter and its alert can be shown firing on purpose; and
+batches that stall, so that admission can be shown refusing while a batch overruns."""
 
 from __future__ import annotations
 
 import random
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,23 @@ import numpy as np
 
 class InjectedFaultError(RuntimeError):
     """Raised on purpose by a faulty runtime (R4T_FAULT_* settings)."""
+
+
+class Stall:
+    """Once armed (after warm-up), each call (one batch of any route) sleeps `seconds` with
+    probability `rate`: a batch stuck in an engine, as the batcher sees it."""
+
+    def __init__(self, rate: float, seconds: float, seed: int | None = None) -> None:
+        self.rate, self.seconds = rate, seconds
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()  # every route's worker thread calls it
+        self.armed = False
+
+    def __call__(self) -> None:
+        with self._lock:
+            stall = self.armed and self.rate > 0 and self._random.random() < self.rate
+        if stall:
+            time.sleep(self.seconds)
 
 
 class FaultySampler:

@@ -44,7 +44,7 @@ from service.paths.diffusion import DiffusionPath, Sampler
 from service.paths.ranked import RankedPath
 from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
-from service.runtime.faults import FaultySampler
+from service.runtime.faults import FaultySampler, Stall
 from service.runtime.filters import metadata_fields, where_of
 from service.runtime.index import IndexChoice, set_threads
 from service.scheduling.batching import Batcher, Completed, describe
@@ -221,6 +221,7 @@ class Retriever:
         self.paths, self.problems = paths, problems
         self.filter_fields = metadata_fields(bundle.items.metadata)
         self.batchers: dict[str, Batcher[PathQuery, PathAnswer]] = {}
+        self.stall = Stall(settings.fault_stall_rate, settings.fault_stall_s, settings.seed)
         recorded = recorded_routes(bundle.path)
         self.weights_from = "R4T_ROUTES" if settings.routes else \
             "bundle" if recorded else "default"
@@ -264,6 +265,7 @@ class Retriever:
     def _timed(self, path: RetrievalPath) -> Callable[[Sequence[PathQuery]], list[PathAnswer]]:
         def compute(batch: Sequence[PathQuery]) -> list[PathAnswer]:
             set_threads(self.settings.faiss_threads)  # OpenMP's cap is per thread: this one's
+            self.stall()  # R4T_FAULT_STALL_RATE (chaos tests); nothing by default
             answers = path(batch)
             if answers:
                 self.metrics.observe_stages(path.name, answers[0].timings_s)
@@ -301,6 +303,7 @@ class Retriever:
         self.router = Router(self.weights, set(self.paths), self.settings.seed)
         self.warm = True
         diffusion = self.paths.get("diffusion")
+        self.stall.armed = True
         if isinstance(diffusion, DiffusionPath) and isinstance(diffusion.sampler, FaultySampler):
             diffusion.sampler.armed = True  # faults start once the path is serving
 
