@@ -18,7 +18,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -164,12 +164,13 @@ class ServiceState:
             raise UnavailableError(f"not ready: {why}")
         return self.retriever
 
-    async def load(self, bundle_dir: Path, strict: bool) -> Retriever:
+    async def load(self, bundle_dir: Path, strict: bool, traffic: Sequence[str] = ()
+                   ) -> Retriever:
         retriever = await in_daemon_thread(self.settings.compute_nice, Retriever.load,
                                            self.settings, self.metrics, bundle_dir, self.loaders)
         retriever.start()
         try:
-            await retriever.warm_up(strict=strict)
+            await retriever.warm_up(strict=strict, traffic=traffic)
         except BaseException:
             await retriever.close()
             raise
@@ -270,7 +271,8 @@ class ServiceState:
     async def do_reload(self, bundle_dir: Path) -> None:
         self.reload = ReloadStatus(state="loading", bundle=str(bundle_dir), started=now_iso())
         try:
-            old = self.publish(await self.load(bundle_dir, strict=True))
+            recent = list(self.retriever.recent) if self.retriever else []
+            old = self.publish(await self.load(bundle_dir, strict=True, traffic=recent))
             self.startup, self.startup_error = "ready", None
             self.metrics.ready.set(0 if self.draining else 1)
             self.reload = self.reload.model_copy(update={"state": "succeeded"})

@@ -32,6 +32,7 @@ P = TypeVar("P")
 R = TypeVar("R")
 EWMA_ALPHA = 0.2  # weight of the newest batch in the compute-time estimate
 CLOSE_GRACE_S = 10.0
+STALL_FACTOR = 2.0  # a batch this many times slower than expected counts as stalled
 # errors a request's own data can cause; any other (an engine's: ONNX Runtime, FAISS, an
 # endpoint) is the route's, and computing each request alone would only repeat it
 REQUEST_ERRORS = (InputError, LookupError, TypeError, ValueError)
@@ -80,6 +81,7 @@ class Batcher(Generic[P, R]):
         self._task: asyncio.Task | None = None
         self._busy = False
         self._computing_since: float | None = None  # time.monotonic() the batch started
+        self._computing_s = 0.0  # how long that batch is expected to take
         self._current: list[Job[P]] = []  # the batch being collected or computed
         self._closed = False
         self.batch_s_estimate = 0.0  # EWMA of a batch's compute time
@@ -93,8 +95,15 @@ class Batcher(Generic[P, R]):
     def depth(self) -> int:
         return self._queue.qsize()
 
-    def free_slots(self) -> int:
-        return self._queue.maxsize - self._queue.qsize()
+    def forget_estimates(self) -> None:
+        """Start the compute-time estimates afresh from the next batch (after a warm-up's
+        first run, whose one-time set-up would otherwise inflate them for many batches)."""
+        self.batch_s_estimate = self.item_s_estimate = 0.0
+
+    @property
+    def busy(self) -> bool:
+        """A batch is in compute or requests are queued."""
+        return self._computing_since is not None or not self._queue.empty()
 
     def expected_wait_s(self) -> float:
         """Time a request submitted now waits before its batch starts: what is left of the batch
@@ -102,25 +111,27 @@ class Batcher(Generic[P, R]):
         compute time per request (both EWMAs, so they follow batches as they grow with the
         load; per request, because a path whose batches cost in proportion to their size, as
         AR decoding does, would otherwise admit a batch it cannot finish in time), plus
-        `max_wait_ms`. An idle path has nothing else. A batch past its estimate counts as
-        running on for as long as it has overrun it, so a stall reads as a growing wait (and
-        admission refuses) rather than as a batch about to finish."""
+        `max_wait_ms`. An idle path has nothing else. The batch in compute is expected to take
+        the longer of the batch time and its size at the time per request; past STALL_FACTOR
+        times that, it counts as running on for as long again as it has overrun, so a stall
+        reads as a growing wait (and admission refuses) rather than as a batch about to finish,
+        while a batch that is merely slower than expected, as on busy cores, does not."""
         queued = self._queue.qsize() * self.item_s_estimate
         computing = 0.0
         if self._computing_since is not None:  # what is left of the batch in compute
-            elapsed = time.monotonic() - self._computing_since
-            computing = abs(self.batch_s_estimate - elapsed)
+            elapsed, expected = time.monotonic() - self._computing_since, self._computing_s
+            computing = max(expected - elapsed, 0.0) + max(elapsed - STALL_FACTOR * expected,
+                                                           0.0)
         return queued + computing + self.max_wait_s
 
     def admit(self, deadline: float) -> None:
         """Refuse (OverloadError) a request that would wait longer than its share of the time
-        it has left, or whose wait and its own compute (the measured compute per request: a
-        path that refused everything would keep a batch-time estimate it could never revise)
-        outlast that time: refused now it costs a fast 429, admitted it would time out as a
-        504."""
+        it has left, or, behind other work, whose wait and its own compute (the measured
+        compute per request) outlast that time: refused now it costs a fast 429, admitted it
+        would time out as a 504. An idle path admits, so its estimates can always recover."""
         expected, left = self.expected_wait_s(), deadline - time.monotonic()
-        budget = left * self.admit_wait_fraction
-        if expected > budget or expected + self.item_s_estimate > left:
+        budget, busy = left * self.admit_wait_fraction, self.busy
+        if expected > budget or (busy and expected + self.item_s_estimate > left):
             raise OverloadError(
                 f"the {self.name} route is busy: expected wait {expected * 1000:.0f} ms (budget "
                 f"{max(budget, 0.0) * 1000:.0f} ms), then {self.item_s_estimate * 1000:.0f} ms "
@@ -242,15 +253,16 @@ class Batcher(Generic[P, R]):
 
     async def _timed_compute(self, jobs: list[Job[P]]) -> tuple[Sequence[R], float]:
         """The batch's results and when its compute started; the estimates learn its time."""
+        self._computing_s = max(self.batch_s_estimate, self.item_s_estimate * len(jobs))
         started = self._computing_since = time.monotonic()
         try:
             results = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._compute, [job.payload for job in jobs])
         finally:
-            elapsed = time.monotonic() - started
             self._computing_since = None
-            self.batch_s_estimate = ewma(self.batch_s_estimate, elapsed)
-            self.item_s_estimate = ewma(self.item_s_estimate, elapsed / len(jobs))
+        elapsed = time.monotonic() - started  # a failed batch's time is not compute time
+        self.batch_s_estimate = ewma(self.batch_s_estimate, elapsed)
+        self.item_s_estimate = ewma(self.item_s_estimate, elapsed / len(jobs))
         return results, started
 
     def _set_depth(self) -> None:

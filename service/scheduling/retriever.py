@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ log = logging.getLogger("r4t.retriever")
 SAMPLER_FILE = "diffusion/sampler.onnx"
 WARMUP_QUERIES = ("camping gear", "kitchen utensils", "musical instrument", "vehicle", "tree")
 WARMUP_DEADLINE_S = 120.0
+RECENT_QUERIES = 64  # the last queries answered, replayed through a reloaded bundle's paths
 
 RetrievalPath = DiffusionPath | AutoregressivePath | SinglePath
 
@@ -222,6 +224,7 @@ class Retriever:
         self.filter_fields = metadata_fields(bundle.items.metadata)
         self.batchers: dict[str, Batcher[PathQuery, PathAnswer]] = {}
         self.stall = Stall(settings.fault_stall_rate, settings.fault_stall_s, settings.seed)
+        self.recent: deque[str] = deque(maxlen=RECENT_QUERIES)  # replayed by a reload
         recorded = recorded_routes(bundle.path)
         self.weights_from = "R4T_ROUTES" if settings.routes else \
             "bundle" if recorded else "default"
@@ -278,8 +281,10 @@ class Retriever:
 
         return compute
 
-    async def warm_up(self, strict: bool) -> None:
-        """Run each path end to end; a failing path is dropped (or, if strict, refused)."""
+    async def warm_up(self, strict: bool, traffic: Sequence[str] = ()) -> None:
+        """Run each path end to end; a failing path is dropped (or, if strict, refused). Then
+        replay `traffic` (the queries the bundle it replaces answered last) through each path,
+        so a reload under load meets warm caches and estimates, not a cold start."""
         for name in list(self.paths):
             deadline = time.monotonic() + WARMUP_DEADLINE_S
             queries = [PathQuery(WARMUP_QUERIES[i % len(WARMUP_QUERIES)], 10, deadline=deadline)
@@ -287,6 +292,7 @@ class Retriever:
             try:
                 for query in queries[:1]:  # batch of one, then a full warm-up batch
                     await self.batchers[name].submit(query, deadline)
+                self.batchers[name].forget_estimates()  # the first run's set-up is not compute
                 await asyncio.gather(*(self.batchers[name].submit(q, deadline) for q in queries))
             except Exception as exc:
                 reason = f"warm-up failed: {type(exc).__name__}: {exc}"
@@ -300,12 +306,28 @@ class Retriever:
                     await asyncio.to_thread(dropped.backend.close)
         if not self.paths:
             raise BundleError(f"no retrieval path survived warm-up: {self.problems}")
+        await self._replay(list(dict.fromkeys(traffic)))
         self.router = Router(self.weights, set(self.paths), self.settings.seed)
         self.warm = True
         diffusion = self.paths.get("diffusion")
         self.stall.armed = True
         if isinstance(diffusion, DiffusionPath) and isinstance(diffusion.sampler, FaultySampler):
             diffusion.sampler.armed = True  # faults start once the path is serving
+
+    async def _replay(self, texts: list[str]) -> None:
+        """Each path answers `texts` (batched as traffic would be); a request-specific error
+        is logged, not held against the bundle."""
+        if not texts:
+            return
+        deadline = time.monotonic() + WARMUP_DEADLINE_S
+        for name, batcher in self.batchers.items():
+            answers = await asyncio.gather(
+                *(batcher.submit(PathQuery(text, 10, deadline=deadline), deadline)
+                  for text in texts), return_exceptions=True)
+            failed = [a for a in answers if isinstance(a, BaseException)]
+            if failed:
+                log.warning("replaying %d recent queries on the %s path: %d failed (first: %r)",
+                            len(texts), name, len(failed), failed[0])
 
     async def close(self) -> None:
         """Close the batchers, then the AR backend in a thread (llama.cpp's close waits for
@@ -350,6 +372,7 @@ class Retriever:
         """Answer one request by its arm, falling back from diffusion to AR, then to single,
         when needed."""
         started = time.monotonic()
+        self.recent.append(request.query)
         assignment = self.router.assign(request.user_id, request.route)
         decision = self._decide(request, assignment)
         query = PathQuery(request.query, request.k, where_of(request.filter, self.filter_fields),
@@ -409,11 +432,17 @@ class Retriever:
     ) -> tuple[Completed[PathAnswer], str, str | None]:
         """`route`'s answer, its route and the fallback reason. A failing fan-out route hands
         the query on to `single`, the last route down, with the reason "error" (or the diffusion
-        fallback's); a request that asked for ar or ranked itself keeps its error."""
+        fallback's), as does an AR route too busy for a diffusion fallback; a request that asked
+        for ar or ranked itself keeps its error."""
         try:
             return await self._submit(route, query, deadline, fallback), route, fallback
-        except (OverloadError, DeadlineError, IndexUnavailableError):
+        except (DeadlineError, IndexUnavailableError):
             raise  # single would not do better
+        except OverloadError:
+            if not fallback or "single" not in self.batchers:
+                raise  # a busy arm refuses fast; a fallback finds AR busy: single answers
+            log.info("the %s route is busy after a diffusion fallback (%s); answering with "
+                     "single", route, fallback)
         except Exception:
             if route == "single" or "single" not in self.batchers or (forced and not fallback):
                 raise

@@ -341,6 +341,11 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
     raise TimeoutError(f"{url} not ready after {timeout_s} s")
 
 
+def asked(completion: CompletionServer, query: str) -> int:
+    """Completion requests the AR route has sent for `query`."""
+    return sum(p.startswith(f"query: {query}\n") for p in completion.state.prompts)
+
+
 @contextmanager
 def live_server(settings: Settings, ready: bool = True) -> Iterator[LiveServer]:
     """create_app(settings) under r4t serve's uvicorn server on 127.0.0.1 (a free port), in a

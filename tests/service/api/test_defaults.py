@@ -21,8 +21,8 @@ from service.settings import FALLBACK_ROUTES, ROUTES, Settings, parse_weights
 from tests.service.api.test_app import assert_k_unique, metric_samples
 from tests.service.conftest import (
     ROWS,
-    CompletionServer,
     LiveServer,
+    asked,
     holding_completions,
     live_server,
     shipped_settings,
@@ -37,11 +37,6 @@ CACHE_NOTE = "fan-out from the expansion cache"
 def metric(client: httpx.Client, name: str, **labels: str) -> float:
     samples = metric_samples(client.get("/metrics").text, name)
     return sum(s.value for s in samples if all(s.labels.get(k) == v for k, v in labels.items()))
-
-
-def asked(completion: CompletionServer, query: str) -> int:
-    """Completion requests the AR route has sent for `query`."""
-    return sum(p.startswith(f"query: {query}\n") for p in completion.state.prompts)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from service.artifacts.bundle import read_manifest, write_manifest
 from tests.service.api.test_app import assert_k_unique, metric_samples
-from tests.service.conftest import ADMIN_TOKEN, live_server
+from tests.service.conftest import ADMIN_TOKEN, asked, live_server
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -128,3 +128,18 @@ def test_a_bundle_whose_model_does_not_load_is_refused_and_the_old_one_keeps_ser
         answer = client.post("/v1/retrieve", json={"query": "dog", "route": "diffusion"})
         assert answer.status_code == 200
         assert answer.json()["route"] == "diffusion" and not answer.json()["fallback"]["used"]
+
+
+def test_a_reload_replays_recent_queries_through_the_new_bundle(
+        reload_server, second_bundle, completion_server):
+    """The new bundle's paths answer the queries the old one served last before it is
+    swapped in, so traffic meets warm caches and estimates rather than a cold start."""
+    with reload_server.client() as client:
+        query = "replayed reload probe"
+        assert client.post("/v1/retrieve", json={"query": query, "route": "ar"}
+                           ).status_code == 200
+        assert asked(completion_server, query) == 1
+        response = client.post("/admin/reload", headers=AUTH,
+                               json={"bundle": str(second_bundle), "wait": True})
+        assert response.status_code == 200 and response.json()["state"] == "succeeded"
+        assert asked(completion_server, query) == 2  # replayed by the new AR path's warm-up

@@ -369,22 +369,25 @@ def test_a_batch_stalled_past_its_estimate_stops_admission():
     run(scenario())
 
 
-def test_admission_counts_the_requests_own_batch_compute():
-    """An idle path whose batches take longer than a request's whole deadline refuses it at
-    once (429) instead of computing an answer nobody waits for (issue 41, item 2)."""
+def test_admission_counts_the_requests_own_compute_behind_other_work():
+    """Behind a batch in compute, a request whose wait and its own compute outlast its
+    deadline is refused at once (429) instead of computing an answer nobody waits for (issue
+    41, item 2); an idle path admits it (its estimates can only recover by computing)."""
     work = Working(1.5)
 
     async def scenario():
         batcher = Batcher("t", work, max_batch_size=1, max_wait_ms=0, queue_size=4,
-                          admit_wait_fraction=0.5)
+                          admit_wait_fraction=1.0)
         batcher.start()
         try:
-            await batcher.submit(1, time.monotonic() + 10.0)  # measures the batch time
-            assert batcher.expected_wait_s() == 0.0  # idle: nothing to wait for
-            with pytest.raises(OverloadError) as refused:  # its own batch outlasts 1 s
-                await batcher.submit(2, time.monotonic() + 1.0)
+            await batcher.submit(1, time.monotonic() + 10.0)  # measures 1.5 s per request
+            work.entered.clear()
+            ahead = asyncio.ensure_future(batcher.submit(2, time.monotonic() + 10.0))  # idle
+            await wait_for(work.entered)
+            with pytest.raises(OverloadError) as refused:  # ~1.5 s of wait, then 1.5 s
+                await batcher.submit(3, time.monotonic() + 2.5)
             assert "of compute" in str(refused.value)
-            assert (await batcher.submit(3, time.monotonic() + 10.0)).result == 6
+            assert (await ahead).result == 4
         finally:
             await batcher.close()
 
