@@ -294,21 +294,28 @@ class Working:
         return [2 * p for p in payloads]
 
 
+async def computing(work: Working, fraction: float, deadline_s: float
+                    ) -> tuple[Batcher[int, int], asyncio.Future]:
+    """A started batcher that has measured `work`'s time, with request 2 now in compute."""
+    batcher = Batcher("t", work, max_batch_size=1, max_wait_ms=0, queue_size=16,
+                      admit_wait_fraction=fraction)
+    batcher.start()
+    await batcher.submit(1, time.monotonic() + deadline_s)  # measures the batch time
+    work.entered.clear()
+    ahead = asyncio.ensure_future(batcher.submit(2, time.monotonic() + deadline_s))  # idle
+    await wait_for(work.entered)
+    return batcher, ahead
+
+
 def test_admission_refuses_what_would_wait_past_its_budget():
     work = Working(2.0)
 
     async def scenario():
         # budget = a fifth of the time left (0.8 s): an idle path admits; waiting for what is
         # left of a batch in compute (up to 2 s) does not fit, checked within 1.2 s of its start
-        batcher = Batcher("t", work, max_batch_size=1, max_wait_ms=0, queue_size=16,
-                          admit_wait_fraction=0.2)
-        batcher.start()
+        batcher, first = await computing(work, 0.2, 4.0)
         try:
-            await batcher.submit(1, time.monotonic() + 4.0)  # measures the batch time
             assert batcher.batch_s_estimate >= work.work_s
-            work.entered.clear()
-            first = asyncio.ensure_future(batcher.submit(2, time.monotonic() + 4.0))  # idle
-            await wait_for(work.entered)
             with pytest.raises(OverloadError) as refused:  # behind the batch in compute
                 await batcher.submit(3, time.monotonic() + 4.0)
             assert refused.value.retry_after_s > 0.8
@@ -376,14 +383,8 @@ def test_admission_counts_the_requests_own_compute_behind_other_work():
     work = Working(1.5)
 
     async def scenario():
-        batcher = Batcher("t", work, max_batch_size=1, max_wait_ms=0, queue_size=4,
-                          admit_wait_fraction=1.0)
-        batcher.start()
+        batcher, ahead = await computing(work, 1.0, 10.0)  # 1.5 s per request measured
         try:
-            await batcher.submit(1, time.monotonic() + 10.0)  # measures 1.5 s per request
-            work.entered.clear()
-            ahead = asyncio.ensure_future(batcher.submit(2, time.monotonic() + 10.0))  # idle
-            await wait_for(work.entered)
             with pytest.raises(OverloadError) as refused:  # ~1.5 s of wait, then 1.5 s
                 await batcher.submit(3, time.monotonic() + 2.5)
             assert "of compute" in str(refused.value)
