@@ -82,7 +82,7 @@ def test_a_request_that_would_wait_past_its_budget_gets_429_not_a_fallback(setti
     with live_server(settings_for(retry_after_s=1)) as live, live.client() as client:
         # the diffusion path's estimate: a batch of 100 s has just started computing
         batcher = live.app.state.r4t.retriever.batchers["diffusion"]
-        batcher.batch_s_estimate, batcher._computing_since = 100.0, time.monotonic()
+        batcher._computing_s, batcher._computing_since = 100.0, time.monotonic()
         response = client.post("/v1/retrieve", json={"query": "boat", "route": "diffusion"})
         assert response.status_code == 429
         error = response.json()["error"]
