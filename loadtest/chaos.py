@@ -45,6 +45,7 @@ from loadtest.openloop import TRANSPORT_ERROR, Load, scenario_body, summarize
 from loadtest.report import publish
 from loadtest.run import HOST, check_bundle, start_server, stop_server, wait_ready
 from service.artifacts.bundle import MANIFEST, read_manifest, write_manifest
+from service.loopback import free_port
 from service.settings import DEFAULT_BUNDLE, Settings
 
 ADMIN_TOKEN = "chaos"
@@ -79,8 +80,9 @@ class Chaos:
         process = start_server(self.bundle, self.port, self.out / f"{name}.log",
                                R4T_ADMIN_TOKEN=ADMIN_TOKEN, **env)
         try:
-            wait_ready(self.port, server=process)
-            yield f"http://{HOST}:{self.port}", process
+            url = f"http://{HOST}:{self.port}"
+            wait_ready(f"{url}/readyz", process=process)
+            yield url, process
         finally:
             stop_server(process)
 
@@ -338,12 +340,6 @@ def completions(port: int) -> Iterator[ThreadingHTTPServer]:
     finally:
         server.shutdown()
         server.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def ar_phase(url: str, seconds: float, seed: int) -> dict[str, Any]:

@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,13 @@ from loadtest.figure import figure
 from loadtest.report import publish
 from service.artifacts.bundle import read_manifest
 from service.errors import BundleError
+from service.loopback import HOST, wait_ready
 from service.settings import DEFAULT_BUNDLE
 
 SCENARIOS = ("single", "diffusion", "ar", "mix")
 # The rates measured sustainable on 2 cores (server and Locust sharing them); see README.
 # `single` (one dense query) comes first, offered twice the rate: the ceiling beside the others.
 DEFAULT_SCENARIOS = "single@800,diffusion@400,ar@60,mix@300"
-HOST = "127.0.0.1"
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 
@@ -62,23 +61,6 @@ def stop_server(server: subprocess.Popen, timeout_s: float = 60.0) -> None:
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()
-
-
-def wait_ready(port: int, timeout_s: float = 180.0,
-               server: subprocess.Popen | None = None) -> None:
-    """Until /readyz answers 200; RuntimeError at once if `server` exits first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server is not None and server.poll() is not None:
-            raise RuntimeError(f"r4t serve exited with status {server.returncode} before it "
-                               "was ready; its log says why")
-        try:
-            if httpx.get(f"http://{HOST}:{port}/readyz", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"r4t serve on port {port} was not ready after {timeout_s:.0f} s")
 
 
 def batch_totals(port: int) -> dict[str, tuple[float, float]]:
@@ -197,7 +179,7 @@ def main() -> None:
     server = start_server(args.bundle, args.port, args.out / "server.log")
     results: list[dict[str, Any]] = []
     try:
-        wait_ready(args.port, server=server)
+        wait_ready(f"http://{HOST}:{args.port}/readyz", process=server)
         for i, spec in enumerate(args.scenarios.split(",")):
             name, _, load = spec.partition("@")  # "mix@800:256": own rate and users
             rate, _, users = load.partition(":")

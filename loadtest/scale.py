@@ -25,6 +25,7 @@ from loadtest.report import publish
 from service.arguments import positive_list
 from service.artifacts.bundle import load_bundle
 from service.errors import R4TError
+from service.fanout.format import PROMPT_RECIPE
 from service.runtime.index import (
     FaissIndex,
     IndexChoice,
@@ -37,7 +38,7 @@ from service.settings import DEFAULT_BUNDLE, Settings
 
 SIZES = (82_115, 500_000, 2_000_000)
 BATCHES = (1, 8, 64, 512)
-K = 72  # the hybrid context's dense lookup: 3 × 24 names
+K = 3 * PROMPT_RECIPE.context  # the hybrid context's dense lookup: 3 × 24 names
 QUERIES = 256
 REPEATS = 3
 MIX, NOISE = 0.5, 0.05  # a synthetic row: e_i + MIX · e_j + NOISE · ε, renormalised

@@ -170,7 +170,7 @@ def main() -> None:
     url = f"http://{HOST}:{args.port}"
     server = start_server(args.bundle, args.port, args.out / "server.log")
     try:
-        wait_ready(args.port, server=server)
+        wait_ready(f"{url}/readyz", process=server)
         best = max(capacity(url)["capacity_rps"], 1.0)
         seconds = args.minutes * 60
         result = soak(url, server.pid, LOAD_SHARE * best, seconds, args.every)

@@ -269,7 +269,7 @@ def serve(bundle: Path, port: int, log: Path, core: int | None) -> subprocess.Po
     prefix = ("taskset", "-c", str(core)) if core is not None else ()
     server = start_server(bundle, port, log, prefix, **pinned)
     try:
-        wait_ready(port, server=server)
+        wait_ready(f"http://{HOST}:{port}/readyz", process=server)
     except BaseException:
         stop_server(server)
         raise

@@ -13,8 +13,8 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.limits import MAX_BATCH_QUERIES, MAX_K, MAX_QUERY_CHARS
+from service.scheduling.routing import ROUTE_ORDER
 
-ROUTES = ("diffusion", "ranked", "ar", "single")
 FALLBACK_ROUTES = "diffusion=0.9,ar=0.1"  # a bundle that measured none (no `routes` stage)
 DEFAULT_BUNDLE = Path("models/default")  # every command's --bundle default, and R4T_BUNDLE's
 
@@ -27,9 +27,9 @@ def parse_weights(text: str) -> dict[str, float]:
             continue
         name, sep, value = part.partition("=")
         name = name.strip()
-        if not sep or name not in ROUTES:
+        if not sep or name not in ROUTE_ORDER:
             raise ValueError(f"route weight {part.strip()!r}: expected <route>=<weight>, "
-                             f"route one of {ROUTES}")
+                             f"route one of {ROUTE_ORDER}")
         weight = float(value)
         if weight < 0:
             raise ValueError(f"route weight for {name} must be >= 0, got {weight}")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from service.arguments import positive
-from service.paths.diffusion import CONTEXT_SOURCES
+from service.paths.diffusion import CONTEXT_SOURCES, SOLVER_NAMES
 from training.device import DEVICES
 
 
@@ -69,7 +69,7 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
         "diffusion", help="export the denoiser and its whole sampler to ONNX")
     export.add_argument("--checkpoint", type=Path, default=None,
                         help="default: <bundle>/runs/diffusion/checkpoint.pt")
-    export.add_argument("--solver", default=None, choices=("euler", "heun"),
+    export.add_argument("--solver", default=None, choices=SOLVER_NAMES,
                         help="default: ExportConfig's")
     export.add_argument("--steps", type=positive, default=None,
                         help="solver steps (default: ExportConfig's)")

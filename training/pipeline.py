@@ -69,7 +69,6 @@ if TYPE_CHECKING:  # stages 1-3 import torch: only when they are built
     from training.stage3_diffusion.export import ExportConfig
     from training.stage3_diffusion.trainer import TrainConfig
 
-MODELS_DIR = Path("models")
 EMBED_CHUNK = 4096
 CATALOG_STAGES = ("catalog", "lexical", "benchmark")
 LABELED_STAGES = ("benchmark", "ranker", "routes")  # skipped for a catalog without a benchmark

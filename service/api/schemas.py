@@ -17,10 +17,11 @@ from service.limits import (
     MAX_QUERY_CHARS,
     MAX_USER_ID_CHARS,
 )
+from service.scheduling.routing import ROUTE_ORDER
 from service.scheduling.trigger import FanoutMode
 
-Route = Literal["auto", "diffusion", "ranked", "ar", "single"]
-ServedRoute = Literal["diffusion", "ranked", "ar", "single"]
+ServedRoute = Literal[ROUTE_ORDER]  # the names of service.scheduling.routing, best first
+Route = Literal[("auto", *ROUTE_ORDER)]
 
 RETRIEVE_EXAMPLE = {"query": "camping gear", "k": 10, "route": "auto", "user_id": "user-42"}
 
@@ -38,7 +39,7 @@ class RetrieveRequest(BaseModel):
     k: int = Field(10, ge=1, le=MAX_K, description="Number of distinct items to return.")
     route: Route = Field(
         "auto", description="'auto' follows the A/B weights among the loaded routes; "
-        "'diffusion', 'ar' or 'single' (one dense query) force one."
+        f"{', '.join(map(repr, ROUTE_ORDER))} force one ('single': one dense query)."
     )
     fanout: FanoutMode = Field(
         "auto", description="With route 'auto': 'auto' fans out only a broad query (a narrow "

@@ -31,6 +31,21 @@ MAX_SUBQUERY_CHARS = 200
 MAX_NEW_TOKENS = 160  # a fan-out's token budget, unless its policy or the settings give one
 
 
+@dataclass(frozen=True)
+class PromptRecipe:
+    """How a fan-out is prompted by default: k sub-queries, written from the names of the
+    query's first `context` candidates of the `candidates` source (service/fanout/candidates.py).
+    The defaults of the from-scratch policy (PolicyConfig), the GGUF policy (LlamaConfig), the
+    diffusion student's context (the `cpu` denoiser preset) and the hybrid-names baseline."""
+
+    k: int = 10
+    context: int = 24
+    candidates: str = "hybrid"
+
+
+PROMPT_RECIPE = PromptRecipe()
+
+
 @dataclass
 class Generation:
     """One fan-out completion as a backend returns it."""

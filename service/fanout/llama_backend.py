@@ -23,7 +23,13 @@ from typing import Any
 from service.deadline import check
 from service.errors import BundleError, UnavailableError
 from service.fanout import instruction
-from service.fanout.format import MAX_NEW_TOKENS, Generation, prompt_context, prompt_query
+from service.fanout.format import (
+    MAX_NEW_TOKENS,
+    PROMPT_RECIPE,
+    Generation,
+    prompt_context,
+    prompt_query,
+)
 
 LLM_DIR = "llm"
 GGUF_FILE = "model.gguf"
@@ -37,9 +43,9 @@ class LlamaConfig:
     """How the GGUF policy is prompted and decoded (recorded in the bundle's llm.json)."""
 
     mode: str = "names"  # service.fanout.instruction.LLM_MODES
-    k: int = 10
-    context: int = 24  # catalog names in the prompt (names mode; 0 otherwise)
-    candidates: str = "hybrid"  # their source (service.fanout.candidates)
+    k: int = PROMPT_RECIPE.k
+    context: int = PROMPT_RECIPE.context  # catalog names in the prompt (names mode; 0 otherwise)
+    candidates: str = PROMPT_RECIPE.candidates  # their source (service.fanout.candidates)
     temperature: float = 0.0
     # > 1 discourages a token already written: a small model otherwise repeats one line
     repeat_penalty: float = 1.3

@@ -23,10 +23,15 @@ from service.runtime.index import VectorIndex, search
 
 @dataclass(frozen=True)
 class RewardWeights:
+    """Each term's weight in the composite; the defaults are the paper's (PAPER_WEIGHTS)."""
+
     ground: float = 0.6
     diversity: float = 0.2
     alignment: float = 0.2
-    about: float = 0.0
+    about: float = 0.0  # not in the paper
+
+
+PAPER_WEIGHTS = RewardWeights()  # §2.2: 0.6 groundedness + 0.2 Vendi + 0.2 alignment
 
 
 @dataclass
@@ -77,7 +82,7 @@ def reward_terms(
     valid: np.ndarray,
     nearest_sim: np.ndarray,
     nearest_emb: np.ndarray,
-    weights: RewardWeights = RewardWeights(),
+    weights: RewardWeights = PAPER_WEIGHTS,
     about: np.ndarray | None = None,
 ) -> RewardTerms:
     """Score G candidates of k probes each.
@@ -106,7 +111,7 @@ def score_probes(
     query: np.ndarray,
     probes: np.ndarray,
     valid: np.ndarray | None = None,
-    weights: RewardWeights = RewardWeights(),
+    weights: RewardWeights = PAPER_WEIGHTS,
     about_rows: Sequence[Container[int]] | None = None,
 ) -> RewardTerms:
     """Resolve each probe to its nearest catalog item, then score. probes: (G, k, d);

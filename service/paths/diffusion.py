@@ -40,6 +40,8 @@ class Sampler(Protocol):
 
 
 CONTEXT_SOURCES = ("nearest", "prompt", "ranked")
+# the ODE solvers a sampler is exported with (`solver` in diffusion.json; Euler the paper's)
+SOLVER_NAMES = ("euler", "heun")
 
 
 class DiffusionContext:

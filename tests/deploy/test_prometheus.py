@@ -10,8 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.loopback import free_port
 from tests.prerequisites import needs
-from tests.service.conftest import free_port, serve_process
+from tests.service.conftest import serve_process
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROMETHEUS = shutil.which("prometheus")

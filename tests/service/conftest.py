@@ -34,6 +34,7 @@ from onnx import TensorProto, helper
 from service.api.app import create_app
 from service.api.server import server_for
 from service.artifacts.bundle import config_hash, read_manifest, stage, write_manifest
+from service.loopback import free_port, wait_ready
 from service.settings import Settings
 from training.data.splits import BenchmarkQuery
 
@@ -329,18 +330,6 @@ class LiveServer:
         return httpx.Client(base_url=self.url, timeout=30.0, **kwargs)
 
 
-def wait_ready(url: str, timeout_s: float = 120.0) -> None:
-    stop = time.monotonic() + timeout_s
-    while time.monotonic() < stop:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=5.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
-
-
 def asked(completion: CompletionServer, query: str) -> int:
     """Completion requests the AR route has sent for `query`."""
     return sum(p.startswith(f"query: {query}\n") for p in completion.state.prompts)
@@ -363,18 +352,12 @@ def live_server(settings: Settings, ready: bool = True) -> Iterator[LiveServer]:
         while not server.started and time.monotonic() < stop:
             time.sleep(0.01)
         if ready:
-            wait_ready(url)
+            wait_ready(f"{url}/readyz", 120.0, poll_s=0.05)
         yield LiveServer(url, app)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -392,7 +375,7 @@ def server_process(bundle: Path, completion: CompletionServer, log: Path,
                                    env=environment, stdout=handle, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_ready(url, timeout_s=120)
+            wait_ready(f"{url}/readyz", 120.0, process)
             yield url, process
         finally:
             if process.poll() is None:

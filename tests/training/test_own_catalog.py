@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from service.artifacts.bundle import read_manifest
-from tests.service.conftest import free_port, wait_ready
+from service.loopback import free_port, wait_ready
 from tests.training.stage1_fanout.test_policy import write_tiny_sources
 from training.cli import main
 
@@ -93,7 +93,7 @@ def test_the_readme_commands_build_evaluate_and_serve_my_catalog(own, capsys) ->
                                stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_ready(url)
+        wait_ready(f"{url}/readyz", 120.0, process)
         answer = httpx.post(f"{url}/v1/retrieve", json={"query": "camping", "k": 5,
                                                         "route": "diffusion"}, timeout=30)
         assert answer.status_code == 200

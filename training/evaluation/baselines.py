@@ -16,8 +16,9 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.fanout.candidates import Candidates, candidate_rows
+from service.fanout.format import PROMPT_RECIPE
 from service.fanout.grounding import PromptNeighbourhood
-from service.fanout.reward import RewardWeights, vendi_score
+from service.fanout.reward import PAPER_WEIGHTS, RewardWeights, vendi_score
 from service.paths.answer import PathAnswer, PathQuery
 from service.paths.ranked import RankedPath
 from service.paths.resolution import resolve_items
@@ -28,7 +29,6 @@ from training.evaluation.metrics import POOL_PER_SLOT, POOL_SIZE
 
 MMR_CANDIDATES = 100
 MMR_LAMBDA = 0.7
-WEIGHTS = RewardWeights()  # the paper's 0.6/0.2/0.2
 
 
 @dataclass
@@ -47,7 +47,6 @@ Method = Callable[[list[str], np.ndarray], MethodOutput]
 ServedPath = Callable[[Sequence[PathQuery]], list[PathAnswer]]
 CandidateLookup = Callable[[list[str], np.ndarray], list[np.ndarray]]
 HYBRID_CANDIDATES = 50  # MMR's pool over the hybrid candidates
-HYBRID_PROMPT = 24  # the names a hybrid prompt carries, as the default policy's (PolicyConfig)
 
 
 def answer_probes(answers: list[PathAnswer], queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -135,7 +134,7 @@ def mmr(bundle: Bundle, k: int = 10, lam: float = MMR_LAMBDA) -> Method:
     return run
 
 
-def hybrid_names(bundle: Bundle, k: int = 10, n: int = HYBRID_PROMPT) -> Method:
+def hybrid_names(bundle: Bundle, k: int = 10, n: int = PROMPT_RECIPE.context) -> Method:
     """The first k names of a prompt of n hybrid candidates (lexical and dense fused by rank,
     no learning): what a fan-out over the wider candidate space gets without choosing."""
     return prompt_names(bundle, k, n, "hybrid")
@@ -184,7 +183,7 @@ def fanout_output(
 
 
 def reward_greedy_select(
-    query: np.ndarray, candidates: np.ndarray, k: int, weights: RewardWeights = WEIGHTS
+    query: np.ndarray, candidates: np.ndarray, k: int, weights: RewardWeights = PAPER_WEIGHTS
 ) -> list[int]:
     """Greedily add the candidate that most raises the composite reward of the chosen set.
 

@@ -23,10 +23,12 @@ from service.artifacts.bundle import (
     read_manifest,
     stage,
 )
+from service.scheduling.routing import ROUTE_ORDER
 from training.evaluation.harness import evaluate
 
-FANOUT_ROUTES = ("diffusion", "ranked")  # served routes the harness runs by the same name
-ROUTE_STAGES = {"diffusion": "diffusion", "ranked": "ranker"}
+ROUTE_STAGES = {"diffusion": "diffusion", "ranked": "ranker"}  # fan-out route: its model's stage
+# served routes the harness runs by the same name, best first
+FANOUT_ROUTES = tuple(r for r in ROUTE_ORDER if r in ROUTE_STAGES)
 AR_POLICIES = ("folm", "folm-warmstart", "llm")
 
 

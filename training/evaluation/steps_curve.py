@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
-from service.paths.diffusion import DiffusionContext, repeat_draws
+from service.paths.diffusion import SOLVER_NAMES, DiffusionContext, repeat_draws
 from service.runtime.encoder import Encoder
 from service.runtime.sampler import DiffusionSampler, read_config
 from training.data.splits import load_split
@@ -48,7 +48,7 @@ def solver_benchmark(sampler: DiffusionSampler, queries: np.ndarray, batch: int 
 
 
 def steps_curve(bundle: Bundle, split: str = "test", steps_list: tuple[int, ...] = STEPS_CURVE,
-                solvers: tuple[str, ...] = ("euler", "heun"), k: int = 10,
+                solvers: tuple[str, ...] = SOLVER_NAMES, k: int = 10,
                 limit: int | None = None, encoder: Encoder | None = None,
                 seeds: int = 1) -> dict[str, Any]:
     """Quality (averaged over `seeds` noise seeds) and ms/query for each (solver, steps),

@@ -40,7 +40,7 @@ from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.decoding import lines_regex
 from service.fanout.format import ParsedFanout, PromptBuilder, item_names, parse_fanout
 from service.fanout.grounding import NameGrounding
-from service.fanout.reward import RewardTerms, RewardWeights, score_probes
+from service.fanout.reward import PAPER_WEIGHTS, RewardTerms, score_probes
 from service.fanout.trie import NAME_SCOPES
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
@@ -57,7 +57,9 @@ PAPER_MODES = ("ground", "ground+align", "all")  # `--reward ablation`: which pa
 # `--reward py:module:function`: a user's f(query, item_texts) -> float, the hook the paper's
 # authors propose for production signals (click-through proxies); weight 1, one term "user"
 USER_REWARD = "py:"
-TERM_WEIGHTS = {"ground": 0.6, "diversity": 0.2, "alignment": 0.2, "about": 1.0}
+# each term's weight when a reward trains on it: the paper's three at the paper's weights;
+# aboutness, not in the paper (weight 0 in PAPER_WEIGHTS), at 1, the only term of its mode
+TERM_WEIGHTS = {**asdict(PAPER_WEIGHTS), "about": 1.0}
 ABOUT_DEPTH = 100  # an item is about a query when it is among the query's 100 best BM25 matches
 
 
@@ -190,7 +192,7 @@ class FanoutScorer:
         probes = embed_subqueries(self.encoder, self.grounding, parsed, query_emb)  # (G, k, d)
         valid = np.stack([p.scored for p in parsed])  # (G, k); > k lines scores 0
         terms = score_probes(self.bundle.index, self.bundle.items.embeddings, query_emb, probes,
-                             valid, RewardWeights(), self.about_rows(queries))
+                             valid, PAPER_WEIGHTS, self.about_rows(queries))
         self._last = (key, terms, parsed, probes)
         return terms, parsed, probes
 

@@ -20,7 +20,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from service.fanout.format import CONTEXT_SEPARATOR, build_prompt, format_fanout, item_names
+from service.fanout.format import (
+    CONTEXT_SEPARATOR,
+    PROMPT_RECIPE,
+    build_prompt,
+    format_fanout,
+    item_names,
+)
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
@@ -40,9 +46,9 @@ class PolicyConfig:
     intermediate_size: int = 384
     max_positions: int = 256
     max_new_tokens: int = 64  # k catalog names, one per line, with headroom (docs/experiments.md)
-    k: int = 10
-    context: int = 24  # candidate catalog names in the prompt (service/fanout/format.py); 0 = none
-    candidates: str = "hybrid"  # their source (service/fanout/candidates.py)
+    k: int = PROMPT_RECIPE.k
+    context: int = PROMPT_RECIPE.context  # candidate catalog names in the prompt; 0 = none
+    candidates: str = PROMPT_RECIPE.candidates  # their source (service/fanout/candidates.py)
     rope_theta: float = 10000.0
 
 
@@ -193,7 +199,3 @@ def foreign_policy() -> dict[str, Any]:
     policy = asdict(POLICY_PRESETS["cpu"])
     return {"preset": "foreign", **{key: policy[key] for key in
                                     ("k", "context", "candidates", "max_new_tokens")}}
-
-
-def config_dict(config: PolicyConfig) -> dict[str, Any]:
-    return asdict(config)

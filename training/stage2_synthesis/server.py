@@ -13,17 +13,14 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
 from service.errors import UnavailableError
+from service.loopback import wait_ready
 
 READY_S = 900.0  # a 4B checkpoint loads and compiles its CUDA graphs in minutes
 POLL_S = 0.5
@@ -38,12 +35,6 @@ def vllm_command(checkpoint: Path, port: int, model: str, seed: int) -> list[str
             str(port), "--seed", str(seed), "--generation-config", "vllm"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def served(command: list[str], base_url: str, log: Path, ready_s: float = READY_S,
            ) -> Iterator[str]:
@@ -54,27 +45,13 @@ def served(command: list[str], base_url: str, log: Path, ready_s: float = READY_
         process = subprocess.Popen(dying_with_parent(command), stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(process, base_url, log, ready_s)
+        try:
+            wait_ready(f"{base_url}/health", ready_s, process, POLL_S)
+        except UnavailableError as exc:
+            raise UnavailableError(f"the model server: {exc}; {log}:\n{tail(log)}") from exc
         yield base_url
     finally:
         stop(process)
-
-
-def wait_ready(process: subprocess.Popen, base_url: str, log: Path, ready_s: float) -> None:
-    deadline = time.monotonic() + ready_s
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise UnavailableError(f"the model server exited ({process.returncode}) before "
-                                   f"it was ready; {log}:\n{tail(log)}")
-            try:
-                if client.get(f"{base_url}/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(POLL_S)
-    raise UnavailableError(f"the model server was not ready after {ready_s:.0f} s; {log}:\n"
-                       f"{tail(log)}")
 
 
 def dying_with_parent(command: list[str]) -> list[str]:

@@ -44,13 +44,14 @@ from service.artifacts.bundle import config_hash, git_commit, load_bundle, read_
 from service.errors import BundleError, InputError
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.decoding import lines_regex
-from service.fanout.format import PromptBuilder, item_names, parse_fanout
+from service.fanout.format import PROMPT_RECIPE, PromptBuilder, item_names, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.fanout.reward import reward_terms
 from service.fanout.trie import DECODINGS, NAME_SCOPES, NameConstraint
+from service.loopback import free_port
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
-from training.stage2_synthesis.server import free_port, served, vllm_command
+from training.stage2_synthesis.server import served, vllm_command
 
 SYNTHESIS_RUN = "synthesis"
 SHARDS = "shards"
@@ -80,7 +81,7 @@ class SynthesisConfig:
     model: str = "folm"  # model name sent to the http backend
     keep_top_frac: float | None = None  # None: no reward filter (the paper's choice)
     decoding: str = "context"  # as GRPO sampled and the service decodes (service/fanout/trie.py)
-    k: int = 10
+    k: int = PROMPT_RECIPE.k
     seed: int = 0
     threads: int = 1  # ONNX Runtime / torch intra-op threads
     # who writes the blocks: "folm", the policy sampled as above; "ranker", the bundle's ranker

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from service.fanout.candidates import CANDIDATE_SOURCES, DEFAULT_SOURCE
+from service.fanout.format import PROMPT_RECIPE
 from service.paths.diffusion import CONTEXT_SOURCES
 
 # Options of earlier configs whose other values were removed: their surviving value.
@@ -97,11 +98,13 @@ class DenoiserConfig:
 
 PRESETS: dict[str, DenoiserConfig] = {
     "paper": DenoiserConfig(hidden=1024, mlp=1024, layers=6, heads=16, rows=12),  # Table 3
-    # Sized for 2 CPU cores; the context is the ranker's best 24 candidates, among which its
-    # teacher chose (training/stage2_synthesis/teachers.py). Two blocks: four cost more and
-    # chose no better, half the width chose worse (docs/experiments.md, 2026-12-03).
-    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=2, heads=4, context=24, ordered=True,
-                          context_source="ranked", candidates="hybrid"),
+    # Sized for 2 CPU cores; the context is the ranker's best 24 candidates (the prompt
+    # recipe's), among which its teacher chose (training/stage2_synthesis/teachers.py). Two
+    # blocks: four cost more and chose no better, half the width chose worse
+    # (docs/experiments.md, 2026-12-03).
+    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=2, heads=4, context=PROMPT_RECIPE.context,
+                          ordered=True, context_source="ranked",
+                          candidates=PROMPT_RECIPE.candidates),
     "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
 }
 

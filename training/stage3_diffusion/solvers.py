@@ -13,6 +13,7 @@ from itertools import pairwise
 
 import torch
 
+from service.paths.diffusion import SOLVER_NAMES
 from training.stage3_diffusion.denoiser import Denoiser
 
 RHO = 7.0
@@ -34,7 +35,7 @@ def solver_evaluations(solver: str, steps: int) -> int:
         return steps
     if solver == "heun":
         return 2 * steps - 1
-    raise ValueError(f"unknown solver {solver!r}; use 'euler' or 'heun'")
+    raise ValueError(f"unknown solver {solver!r}; use one of {SOLVER_NAMES}")
 
 
 def initial_noise(shape: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
@@ -92,14 +93,14 @@ def heun_edm(denoiser: Denoiser, query: torch.Tensor, steps: int = 8, cfg_weight
     return _unit_rows(x)
 
 
-SOLVERS = {"euler": euler_pf_ode, "heun": heun_edm}
+SOLVERS = dict(zip(SOLVER_NAMES, (euler_pf_ode, heun_edm), strict=True))
 
 
 def sample(denoiser: Denoiser, query: torch.Tensor, solver: str, steps: int,
            cfg_weight: float = 0.0, generator: torch.Generator | None = None,
            noise: torch.Tensor | None = None,
            context: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows (B, L, d) from the solver named `solver` ("euler" or "heun")."""
+    """Rows (B, L, d) from the solver named `solver` (one of SOLVER_NAMES)."""
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; available: {sorted(SOLVERS)}")
     return SOLVERS[solver](denoiser, query, steps, cfg_weight, generator, noise, context)

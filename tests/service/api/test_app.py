@@ -6,6 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.fanout.candidates import Candidates
+from service.loopback import wait_ready
 from tests.service.conftest import (
     CONTEXT,
     DRAWS,
@@ -15,7 +16,6 @@ from tests.service.conftest import (
     STEPS,
     holding_completions,
     live_server,
-    wait_ready,
     wait_until,
 )
 
@@ -43,7 +43,7 @@ def test_readyz_is_503_until_warm_then_200(settings_for, completion_server):
         assert refused.status_code == 503
         assert refused.json()["error"]["type"] == "UnavailableError"
         held.release()
-        wait_ready(live.url)
+        wait_ready(f"{live.url}/readyz", poll_s=0.05)
         ready = client.get("/readyz")
         assert ready.status_code == 200
         assert ready.json() == {"status": "ready", "bundle": "svc", "building": False,

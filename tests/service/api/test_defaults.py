@@ -17,7 +17,8 @@ import pytest
 
 from service.artifacts.bundle import Bundle, load_bundle, recorded_routes
 from service.runtime.index import IndexChoice
-from service.settings import FALLBACK_ROUTES, ROUTES, Settings, parse_weights
+from service.scheduling.routing import ROUTE_ORDER
+from service.settings import FALLBACK_ROUTES, Settings, parse_weights
 from tests.service.api.test_app import assert_k_unique, metric_samples
 from tests.service.conftest import (
     ROWS,
@@ -70,7 +71,7 @@ def test_info_reports_the_shipped_defaults_in_force(client, bundle):
                  "max_wait_ms", "max_batch_size"):
         assert settings[name] == SHIPPED[name], name
     # what the loaded service does with them, not only what it was told
-    assert served["unavailable"] == {} and set(served["paths"]) == set(ROUTES)
+    assert served["unavailable"] == {} and set(served["paths"]) == set(ROUTE_ORDER)
     index = served["paths"]["single"]["index"]
     assert index["backend"] == "faiss" and index["index"].startswith("IndexHNSW")
     assert index["choice"] == IndexChoice.parse(SHIPPED["index"]).name
@@ -91,12 +92,12 @@ def test_info_reports_the_shipped_defaults_in_force(client, bundle):
 
 def test_every_served_route_answers_k_distinct_items_and_is_counted(client, benchmark_queries):
     routes = client.get("/readyz").json()["routes"]
-    assert set(routes) == set(ROUTES)  # the bundle serves every route, so each is tested
+    assert set(routes) == set(ROUTE_ORDER)  # the bundle serves every route, so each is tested
     query = benchmark_queries[0].query
     gate = SHIPPED["groundedness_threshold"]
     for route in routes:
         before = {r: metric(client, "r4t_request_duration_seconds_count", route=r,
-                            arm="override", status="200") for r in ROUTES}
+                            arm="override", status="200") for r in ROUTE_ORDER}
         quality = metric(client, "r4t_fallbacks_total", reason="quality")
         body = retrieve(client, query, route=route, k=ROWS)
         assert_k_unique(body, ROWS)
@@ -111,7 +112,7 @@ def test_every_served_route_answers_k_distinct_items_and_is_counted(client, benc
             if route == "diffusion":  # the gate let it through: grounded enough
                 assert body["groundedness"] >= gate
         after = {r: metric(client, "r4t_request_duration_seconds_count", route=r,
-                           arm="override", status="200") for r in ROUTES}
+                           arm="override", status="200") for r in ROUTE_ORDER}
         assert after == {**before, body["route"]: before[body["route"]] + 1}
 
 
@@ -129,7 +130,7 @@ def test_auto_fans_out_exactly_the_queries_the_shipped_trigger_calls_broad(
                  for fanout, reason in (("true", "broad"), ("false", "narrow"))}
 
     narrow = retrieve(client, NARROW, user_id="shipped-user", k=ROWS)
-    assert narrow["route"] == "single" and narrow["arm"] in ROUTES
+    assert narrow["route"] == "single" and narrow["arm"] in ROUTE_ORDER
     assert narrow["fanout"] == {"fanout": False, "reason": "narrow", "score": 0.0,
                                 "threshold": threshold, "lead": 0}
     assert_k_unique(narrow, ROWS)

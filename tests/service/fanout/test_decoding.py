@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,6 @@ from training.stage1_fanout.export import export_folder
 from training.stage1_fanout.policy import (
     POLICY_PRESETS,
     build_model,
-    config_dict,
     hf_tokenizer,
     load_policy,
     save_policy,
@@ -51,7 +51,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             if p.dim() > 1:
                 p.normal_(0.0, 0.6)
     save_policy(model, hf_tokenizer(tok, config.max_positions), root / "ckpt",
-                {"policy": config_dict(config)})
+                {"policy": asdict(config)})
     export_folder(root / "ckpt", root / "folm")
     return root / "ckpt", root / "folm"
 

@@ -7,6 +7,7 @@ output is usually malformed: the answer must still hold k distinct items and say
 from __future__ import annotations
 
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,6 @@ def model_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactor
     from training.stage1_fanout.policy import (
         POLICY_PRESETS,
         build_model,
-        config_dict,
         hf_tokenizer,
         save_policy,
         tokenizer_corpus,
@@ -53,7 +53,7 @@ def model_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFactor
     config = POLICY_PRESETS["tiny"]
     model = build_model(config, tok, seed=3)
     save_policy(model, hf_tokenizer(tok, config.max_positions), root / "ckpt",
-                {"policy": config_dict(config)})
+                {"policy": asdict(config)})
     commit_policy(bundle, root / "ckpt", "folm")
     return bundle
 

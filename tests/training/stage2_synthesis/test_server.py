@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from service.errors import UnavailableError
-from training.stage2_synthesis.server import free_port, served, vllm_command
+from service.loopback import free_port
+from training.stage2_synthesis.server import served, vllm_command
 
 
 def file_server(root: Path, port: int) -> list[str]:
