@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from loadtest.figure import figure
 from loadtest.report import publish
-from service.api.app import settle_heap
+from service.api.state import settle_heap
 from service.arguments import positive_list
 from service.artifacts.bundle import Bundle, load_bundle, require_stages
 from service.errors import R4TError
@@ -36,7 +36,7 @@ from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
 from service.runtime.index import IndexChoice
 from service.runtime.sampler import DiffusionSampler
-from service.scheduling.retriever import ar_path
+from service.scheduling.assembly import ar_path
 from service.scheduling.trigger import FanoutTrigger
 from service.settings import DEFAULT_BUNDLE, Settings
 

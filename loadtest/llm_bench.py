@@ -28,14 +28,14 @@ from loadtest.bench import (
 )
 from loadtest.figure import figure
 from loadtest.report import publish
-from service.api.app import settle_heap
+from service.api.state import settle_heap
 from service.arguments import positive, positive_list
 from service.artifacts.bundle import load_bundle, require_stages
 from service.errors import R4TError
 from service.paths.single import SinglePath
 from service.runtime.encoder import Encoder
 from service.runtime.index import IndexChoice
-from service.scheduling.retriever import SAMPLER_FILE, llm_path
+from service.scheduling.assembly import SAMPLER_FILE, llm_path
 from service.settings import DEFAULT_BUNDLE, Settings
 
 LLM_MAX_BATCH = 64  # minutes of Gemma 3 270M on 2 cores; larger batches are projected

@@ -8,7 +8,7 @@ Each stage's record holds its `config_hash` and its `inputs`: the hash of every 
 (STAGE_INPUTS) when it was built. A stage is current only while its config is the one it
 would be built with now and each input is still the record it was built from
 (`stage_status`). While `training.pipeline.build_bundle` runs it keeps `build.json` up to
-date (`read_build_status`).
+date (read by service/artifacts/progress.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 INDEX_FILE = "index.faiss"
 REPORTS_DIR = "eval"  # evaluation reports: written after the fact, not checksummed
-BUILD_STATUS = "build.json"  # progress of a running `build_bundle`, not checksummed
 # A stage record's field naming what its files are a function of, where those files are not
 # byte-stable across machines (stage_hash)
 CONTENT_KEY = "content"
@@ -309,36 +308,6 @@ def require_stages(bundle_dir: Path, needed: Iterable[str | tuple[str, ...]], wh
             raise BundleError(f"{what} needs the `{' or '.join(options)}` stage, which "
                               f"{bundle_dir} lacks: build it with `{command}`")
     return manifest
-
-
-def read_build_status(bundle_dir: Path) -> dict[str, Any] | None:
-    """The progress of the bundle's last `build_bundle` (build.json), or None when there is
-    none: {"state": "running"|"done"|"failed", "pid", "started", "updated", "plan": [{"stage",
-    "action", "reason"}], "current", "finished", "error"}. A "running" build whose process is
-    gone reads as "failed"."""
-    try:
-        status = json.loads((Path(bundle_dir) / BUILD_STATUS).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not isinstance(status, dict):
-        return None
-    if status.get("state") == "running" and not process_alive(status.get("pid")):
-        status["state"] = "failed"
-        status["error"] = f"the build (pid {status.get('pid')}) stopped without finishing"
-    return status
-
-
-def process_alive(pid: Any) -> bool:
-    """Whether a process of this id runs on this machine."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass

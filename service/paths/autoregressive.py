@@ -1,86 +1,27 @@
 """The autoregressive (AR) route: encode → the query's nearest catalog names (the prompt's
-context) → the fan-out model (ONNX decoder with a KV cache, or an OpenAI-compatible endpoint) →
-parse sub-queries → encode → k distinct items claimed by the sub-queries. A malformed fan-out
-still yields k items: missing slots come from the query's dense neighbours, and the answer
-says so. A query seen before takes its fan-out from the expansion cache (LRU, per normalised
-query) instead of the model."""
+context) → the fan-out model (a backend of service/backends/: the ONNX decoder, llama.cpp or an
+OpenAI-compatible endpoint) → parse sub-queries → encode → k distinct items claimed by the
+sub-queries. A malformed fan-out still yields k items: missing slots come from the query's
+dense neighbours, and the answer says so. A query seen before takes its fan-out from the
+expansion cache (LRU, per normalised query) instead of the model."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from service.artifacts.bundle import Bundle
+from service.backends.protocol import FanoutBackend
 from service.deadline import earliest
-from service.errors import BundleError
 from service.fanout.cache import FanoutCache
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.format import Generation, PromptBuilder, parse_fanout
 from service.fanout.grounding import NameGrounding
-from service.fanout.trie import DECODINGS, NAME_SCOPES, NameConstraint
 from service.paths.answer import PathAnswer, PathQuery, StageClock, selection_notes, stamp
 from service.paths.resolution import lead_with_nearest, resolve_items
 from service.runtime.encoder import Encoder
-
-
-class FanoutBackend(Protocol):
-    """Writes one fan-out completion per prompt (text in service.fanout.format's format)."""
-
-    name: str
-
-    def generate(self, prompts: list[str], deadline: float | None = None
-                 ) -> list[Generation]:
-        """`deadline` (time.monotonic()): past it, DeadlineError instead of a late answer."""
-        ...
-
-    def describe(self) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
-
-
-class OnnxFanoutBackend:
-    """The bundle's fan-out model decoded by service.fanout.decoding.FanoutDecoder.
-
-    `decoding` (service/fanout/trie.py DECODINGS): "free", "lines" (exactly k non-empty lines),
-    "context" (each line a name from the prompt's catalog line) or "catalog" (any item name,
-    from `catalog_names`); None = what the model was trained under (folm.json, else "lines").
-    """
-
-    name = "onnx"
-
-    def __init__(
-        self, decoder: Any, temperature: float | None, max_new_tokens: int, seed: int | None,
-        decoding: str | None = None, catalog_names: Sequence[str] = (),
-    ) -> None:
-        if temperature is None:
-            temperature = float(decoder.config.get("temperature", 0.0))
-        decoding = decoding or str(decoder.config.get("decoding", "lines"))
-        if decoding not in DECODINGS:
-            raise BundleError(f"unknown fan-out decoding {decoding!r}; use one of {DECODINGS}")
-        self.decoder, self.temperature, self.decoding = decoder, temperature, decoding
-        self.max_new_tokens, self.seed = max_new_tokens, seed
-        self.names = NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]), decoding,
-                                    catalog_names) if decoding in NAME_SCOPES else None
-
-    def generate(self, prompts: list[str], deadline: float | None = None
-                 ) -> list[Generation]:
-        return self.decoder.generate(
-            prompts, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-            seed=self.seed, enforce_lines=self.decoding != "free", names=self.names,
-            deadline=deadline,
-        )
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "backend": self.name, "providers": list(self.decoder.providers),
-            "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
-            "decoding": self.decoding, "config": self.decoder.config,
-        }
-
-    def close(self) -> None:
-        return None
 
 
 class AutoregressivePath:

@@ -6,7 +6,7 @@ service/scheduling/trigger.py) and falls back from the diffusion route to ar (or
 `single`) when diffusion is unavailable, fails, or fails the quality gate (groundedness below
 the threshold), and from a failing ar or ranked route to `single`; every fallback is counted by
 reason. A route too busy to answer in time refuses (429) instead: the slower AR path would not
-do better.
+do better. The paths it serves are built by service/scheduling/assembly.py.
 """
 
 from __future__ import annotations
@@ -29,25 +29,15 @@ from service.errors import (
     R4TError,
     UnavailableError,
 )
-from service.fanout.candidates import DEFAULT_SOURCE
-from service.fanout.format import MAX_NEW_TOKENS, item_names
-from service.fanout.llama_backend import (
-    LLM_DIR,
-    LLM_MODEL,
-    LlamaCppFanoutBackend,
-    read_llm_config,
-)
-from service.fanout.openai_backend import OpenAICompletionBackend, OpenAIConfig
 from service.metrics import Metrics
 from service.paths.answer import PathAnswer, PathQuery
-from service.paths.autoregressive import AutoregressivePath, FanoutBackend, OnnxFanoutBackend
-from service.paths.diffusion import DiffusionPath, Sampler
-from service.paths.ranked import RankedPath
-from service.paths.single import SinglePath
+from service.paths.autoregressive import AutoregressivePath
+from service.paths.diffusion import DiffusionPath
 from service.runtime.encoder import Encoder
 from service.runtime.faults import FaultySampler, Stall
 from service.runtime.filters import metadata_fields, where_of
 from service.runtime.index import IndexChoice, set_threads
+from service.scheduling.assembly import Loaders, RetrievalPath, load_paths
 from service.scheduling.batching import Batcher, Completed, describe
 from service.scheduling.routing import ROUTE_ORDER, Assignment, Router
 from service.scheduling.trigger import Decision, FanoutMode, FanoutTrigger
@@ -55,12 +45,9 @@ from service.settings import Settings
 
 log = logging.getLogger("r4t.retriever")
 
-SAMPLER_FILE = "diffusion/sampler.onnx"
 WARMUP_QUERIES = ("camping gear", "kitchen utensils", "musical instrument", "vehicle", "tree")
 WARMUP_DEADLINE_S = 120.0
 RECENT_QUERIES = 64  # the last queries answered, replayed through a reloaded bundle's paths
-
-RetrievalPath = DiffusionPath | AutoregressivePath | SinglePath
 
 
 @dataclass(frozen=True)
@@ -85,131 +72,6 @@ class Served:
     fallback: str | None  # why diffusion did not answer, None when it did or was not asked
     decision: Decision | None  # route=auto's fan-out decision, None for a forced route
     timings_s: dict[str, float]
-ComponentFactory = Callable[[Path, list[str] | None, int], Any]
-
-
-def default_sampler(directory: Path, providers: list[str] | None, threads: int) -> Sampler:
-    from service.runtime.sampler import DiffusionSampler  # owned by the stage-3 runtime
-
-    return DiffusionSampler(directory, providers=providers, threads=threads)
-
-
-def default_decoder(directory: Path, providers: list[str] | None, threads: int) -> Any:
-    from service.fanout.decoding import FanoutDecoder  # owned by the stage-1 runtime
-
-    return FanoutDecoder(directory, providers=providers, threads=threads)
-
-
-@dataclass(frozen=True)
-class Loaders:
-    """How the model runtimes are built (tests may pass their own real loaders)."""
-
-    sampler: ComponentFactory = default_sampler
-    decoder: ComponentFactory = default_decoder
-
-
-def _ar_backend(
-    settings: Settings, bundle: Bundle, loaders: Loaders, folder: str = "folm"
-) -> tuple[FanoutBackend, int, int, str]:
-    """The backend, its k, and the number and source of the catalog names its prompts carry."""
-    choice = settings.ar_backend
-    if choice == "onnx" or (choice == "auto" and bundle.has(f"{folder}/model.onnx")):
-        decoder = loaders.decoder(bundle.path / folder, settings.provider_list, settings.threads)
-        decoding = settings.ar_decoding or str(decoder.config.get("decoding", "lines"))
-        names = item_names(bundle.items.texts) if decoding == "catalog" else []
-        backend = OnnxFanoutBackend(
-            decoder, settings.ar_temperature, settings.ar_max_new_tokens or MAX_NEW_TOKENS,
-            settings.seed,
-            decoding=decoding, catalog_names=names,
-        )
-        context = settings.ar_context
-        if context is None:
-            context = int(decoder.config.get("context", 0))
-        if backend.decoding == "context" and context == 0:
-            raise BundleError("R4T_AR_DECODING=context needs catalog names in the prompt "
-                              "(R4T_AR_CONTEXT > 0)")
-        source = settings.ar_candidates or str(decoder.config.get("candidates", DEFAULT_SOURCE))
-        return backend, int(decoder.config.get("k", settings.fanout_k)), context, source
-    if choice == "llama" or (choice == "auto" and bundle.has(LLM_MODEL)):
-        return _llama_backend(settings, bundle)
-    if settings.openai_base_url:
-        key = settings.openai_api_key.get_secret_value() if settings.openai_api_key else None
-        config = OpenAIConfig(
-            base_url=settings.openai_base_url, model=settings.openai_model, api_key=key,
-            timeout_s=settings.openai_timeout_s, retries=settings.openai_retries,
-            backoff_s=settings.openai_backoff_s, max_connections=settings.openai_max_connections,
-            temperature=settings.ar_temperature or 0.0,
-            max_tokens=settings.ar_max_new_tokens or MAX_NEW_TOKENS,
-        )
-        return (OpenAICompletionBackend(config), settings.fanout_k, settings.ar_context or 0,
-                settings.ar_candidates or DEFAULT_SOURCE)
-    raise BundleError(f"bundle has no {folder}/model.onnx, no {LLM_MODEL} and "
-                      "R4T_OPENAI_BASE_URL is not set")
-
-
-def _llama_backend(settings: Settings, bundle: Bundle,
-                   mode: str | None = None) -> tuple[FanoutBackend, int, int, str]:
-    """The bundle's GGUF policy (llm/) in llama.cpp, prompted as its llm.json records (in
-    `mode`, when given); R4T_AR_TEMPERATURE, R4T_AR_MAX_NEW_TOKENS and R4T_SEED override it."""
-    config = read_llm_config(bundle.path / LLM_DIR, mode=mode,
-                             temperature=settings.ar_temperature,
-                             max_new_tokens=settings.ar_max_new_tokens, seed=settings.seed)
-    context = config.context if config.mode == "names" else 0
-    backend = LlamaCppFanoutBackend(bundle.path / LLM_MODEL, config, settings.threads)
-    return backend, config.lines, context, config.candidates
-
-
-def ar_path(
-    settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders | None = None,
-    folder: str = "folm",
-) -> AutoregressivePath:
-    """The AR route as `settings` configure it, over the fan-out model in `folder`."""
-    backend, fanout_k, context, source = _ar_backend(settings, bundle, loaders or Loaders(),
-                                                     folder)
-    return AutoregressivePath(bundle, encoder, backend, fanout_k, context, source,
-                              settings.fanout_cache_size)
-
-
-def llm_path(settings: Settings, bundle: Bundle, encoder: Encoder,
-             mode: str | None = None) -> AutoregressivePath:
-    """The AR route over the bundle's GGUF policy (llm/), prompted in `mode` (default: its
-    llm.json's)."""
-    backend, fanout_k, context, source = _llama_backend(settings, bundle, mode)
-    return AutoregressivePath(bundle, encoder, backend, fanout_k, context, source,
-                              settings.fanout_cache_size)
-
-
-def load_paths(
-    settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders
-) -> tuple[dict[str, RetrievalPath], dict[str, str]]:
-    """Build every path the bundle and settings allow; say why the others are missing. A route
-    whose stage the bundle lacks (BundleError) or whose runtime is not installed (ImportError)
-    is left out; one whose model is there but does not load (an ONNX Runtime or opset mismatch,
-    a corrupt graph) refuses the whole bundle, so a reload never swaps it in quietly."""
-    paths: dict[str, RetrievalPath] = {"single": SinglePath(bundle, encoder)}
-    problems: dict[str, str] = {}
-
-    def diffusion() -> RetrievalPath:
-        if not bundle.has(SAMPLER_FILE):
-            raise BundleError(f"bundle has no {SAMPLER_FILE}")
-        sampler = loaders.sampler(bundle.path / "diffusion", settings.provider_list,
-                                  settings.threads)
-        if settings.fault_diffusion_rate > 0:
-            sampler = FaultySampler(sampler, settings.fault_diffusion_rate, settings.seed)
-        return DiffusionPath(bundle, encoder, sampler, settings.seed)
-
-    builders: dict[str, Callable[[], RetrievalPath]] = {
-        "diffusion": diffusion, "ranked": lambda: RankedPath(bundle, encoder),
-        "ar": lambda: ar_path(settings, bundle, encoder, loaders)}
-    for route, build in builders.items():
-        try:
-            paths[route] = build()
-        except (BundleError, ImportError) as exc:
-            problems[route] = f"{type(exc).__name__}: {exc}"
-        except Exception as exc:
-            raise BundleError(f"bundle {bundle.path}: the {route} route's model does not load: "
-                              f"{type(exc).__name__}: {exc}") from exc
-    return paths, problems
 
 
 class Retriever:

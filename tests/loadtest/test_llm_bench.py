@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.llm_bench import markdown, run
-from service.fanout.llama_backend import LlamaConfig
+from service.backends.llama import LlamaConfig
 from tests.gguf_model import write_tiny_gguf
 from training.stage1_fanout.gguf import commit_llm
 

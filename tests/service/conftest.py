@@ -455,8 +455,8 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def llm_bundle(small_bundle_dir: Path, tiny_gguf: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The small catalog with the tiny GGUF as its AR policy (names mode, 16 hybrid names)."""
+    from service.backends.llama import LlamaConfig
     from service.fanout.instruction import MAX_QUESTION_CHARS
-    from service.fanout.llama_backend import LlamaConfig
     from training.stage1_fanout.gguf import commit_llm
 
     target = tmp_path_factory.mktemp("llm") / "llm"

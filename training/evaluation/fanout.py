@@ -3,7 +3,7 @@
 - `folm-warmstart`: the warm-start policy, one sample (the zero-shot analogue);
 - `folm`: the GRPO policy, one sample;
 - `best-of-5`: five warm-start samples, the best by composite reward.
-`folm` and `folm-warmstart` are the served AR route (`service.scheduling.retriever.ar_path`) over
+`folm` and `folm-warmstart` are the served AR route (`service.scheduling.assembly.ar_path`) over
 either
 policy: same prompt, decoding, sub-query resolution and dense fill as an HTTP answer. Samples are
 drawn at the temperature recorded in the exported `folm.json` (decoded freely, a policy this
@@ -26,7 +26,7 @@ from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.reward import score_probes
 from service.paths.autoregressive import AutoregressivePath
 from service.runtime.encoder import Encoder
-from service.scheduling.retriever import ar_path
+from service.scheduling.assembly import ar_path
 from service.settings import Settings
 from training.evaluation.baselines import (
     CandidateLookup,

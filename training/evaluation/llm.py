@@ -15,7 +15,7 @@ from functools import partial
 
 from service.artifacts.bundle import Bundle
 from service.runtime.encoder import Encoder
-from service.scheduling.retriever import llm_path
+from service.scheduling.assembly import llm_path
 from service.settings import Settings
 from training.evaluation.baselines import Method, path_method
 from training.evaluation.fanout import prompt_candidates

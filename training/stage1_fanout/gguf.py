@@ -1,7 +1,7 @@
 """A pretrained LLM from a GGUF file or a package that ships one, in two forms:
 
 - as the bundle's `llm` stage (`llm/model.gguf` + `llm.json`): the AR route's policy, decoded by
-  llama.cpp (service.fanout.llama_backend), with `r4t llm SOURCE`;
+  llama.cpp (service.backends.llama), with `r4t llm SOURCE`;
 - as a Hugging Face checkpoint folder (dequantized by transformers' GGUF loader), converted
   once and cached, for `r4t bundle --init SOURCE` (the GRPO recipe of docs/gpu.md).
 
@@ -21,10 +21,7 @@ from pathlib import Path
 
 from service.arguments import positive
 from service.artifacts.bundle import config_hash, require_stages, sha256_file, stage
-from service.errors import BundleError
-from service.fanout.candidates import CANDIDATE_SOURCES
-from service.fanout.instruction import LLM_MODES
-from service.fanout.llama_backend import (
+from service.backends.llama import (
     GGUF_FILE,
     LLM_CONFIG,
     LLM_DIR,
@@ -32,6 +29,9 @@ from service.fanout.llama_backend import (
     PROMPTINGS,
     LlamaConfig,
 )
+from service.errors import BundleError
+from service.fanout.candidates import CANDIDATE_SOURCES
+from service.fanout.instruction import LLM_MODES
 
 INITS_DIR = Path("models") / "inits"  # converted checkpoints, shared by bundles
 RECORD = "gguf.json"  # in a converted folder: the GGUF it came from and its sha256

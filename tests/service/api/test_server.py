@@ -105,7 +105,7 @@ def test_bad_settings_are_one_clear_error_naming_each_variable():
 
 LOAD_NEVER_ENDS = """
 import asyncio, threading
-from service.api.app import in_daemon_thread
+from service.api.state import in_daemon_thread
 
 started = threading.Event()
 

@@ -178,7 +178,7 @@ def test_a_passed_deadline_stops_decoding_before_the_next_step(
         exported: tuple[Path, Path]) -> None:
     """Issue 41 item 3: past the batch's deadline no further step runs (a 504), both through
     the decoder and the AR path's ONNX backend; an unbounded call decodes as before."""
-    from service.paths.autoregressive import OnnxFanoutBackend
+    from service.backends.onnx import OnnxFanoutBackend
 
     _, folder = exported
     decoder = CountingDecoder(folder, threads=1)

@@ -90,8 +90,8 @@ def test_info_reports_the_real_runtimes(model_server):
 
 
 def test_onnx_backend_decodes_under_the_decoding_setting(model_bundle: Path) -> None:
+    from service.backends.onnx import OnnxFanoutBackend
     from service.fanout.format import build_prompt, prompt_context
-    from service.paths.autoregressive import OnnxFanoutBackend
     from tests.service.fanout.test_decoding import BreakHappyDecoder
 
     decoder = BreakHappyDecoder(model_bundle / "folm", threads=1)  # short fan-outs unless held
@@ -111,7 +111,7 @@ def test_onnx_backend_decodes_under_the_decoding_setting(model_bundle: Path) -> 
 def test_context_decoding_without_catalog_names_is_refused(model_bundle: Path) -> None:
     from service.artifacts.bundle import load_bundle
     from service.runtime.encoder import Encoder
-    from service.scheduling.retriever import Loaders, load_paths
+    from service.scheduling.assembly import Loaders, load_paths
 
     bundle = load_bundle(model_bundle)
     encoder = Encoder(bundle.encoder_config)

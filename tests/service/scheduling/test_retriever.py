@@ -10,7 +10,8 @@ import weakref
 from pathlib import Path
 
 from service.metrics import Metrics
-from service.scheduling.retriever import Loaders, Retriever
+from service.scheduling.assembly import Loaders
+from service.scheduling.retriever import Retriever
 from service.settings import Settings
 
 HOLD_S = 30.0  # bound on the simulated decode; reached only when the loop is stopped

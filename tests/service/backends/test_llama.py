@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import Bundle, load_bundle, verify_bundle
+from service.backends.llama import LlamaConfig, LlamaCppFanoutBackend
 from service.errors import BundleError, DeadlineError, UnavailableError
 from service.fanout.candidates import Candidates
 from service.fanout.format import (
@@ -25,7 +26,6 @@ from service.fanout.instruction import (
     MULTIQUERY_LINES,
     grammar,
 )
-from service.fanout.llama_backend import LlamaConfig, LlamaCppFanoutBackend
 from service.runtime.encoder import Encoder
 from tests.gguf_model import CHAT_TEMPLATE, write_tiny_gguf
 from tests.service.conftest import LLM_CONTEXT, LLM_K, live_server, make_settings

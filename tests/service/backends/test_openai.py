@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from service.artifacts.bundle import load_bundle
+from service.backends.openai import OpenAICompletionBackend, OpenAIConfig
 from service.errors import DeadlineError, UnavailableError
 from service.fanout.format import build_prompt, parse_fanout
-from service.fanout.openai_backend import OpenAICompletionBackend, OpenAIConfig
 from service.paths.answer import PathQuery
 from service.paths.autoregressive import AutoregressivePath
 from service.runtime.encoder import Encoder
