@@ -15,7 +15,7 @@ from service.settings import DEFAULT_BUNDLE, Settings
 from training.commands import register_diffusion, subcommand_group
 from training.data.catalog import WORDNET
 from training.data.query_sets import EVAL_SPLITS
-from training.pipeline import (  # torch-free: it imports stages 1-3 lazily
+from training.recipe import (  # torch-free: it imports stages 1-3 lazily
     BUNDLE_PRESETS,
     NEEDS_TORCH,
     TRAINING_PACKAGES,
@@ -106,9 +106,10 @@ def cmd_index(args: argparse.Namespace) -> None:
 
 def cmd_bundle(args: argparse.Namespace) -> None:
     """Every stage in order, each rebuilt only when it is not current (see the plan printed)."""
-    from training.pipeline import build_bundle, stage_configs
+    from training.pipeline import build_bundle
+    from training.recipe import Recipe
 
-    presets = stage_configs(args.preset, args.init) if args.init else args.preset
+    presets = Recipe.for_preset(args.preset, args.init) if args.init else args.preset
     build_bundle(args.bundle, _catalog_config(args), force=args.force, presets=presets,
                  use_shipped=not args.no_shipped)
 
@@ -116,10 +117,11 @@ def cmd_bundle(args: argparse.Namespace) -> None:
 def cmd_ship(args: argparse.Namespace) -> None:
     """Measure the bundle's routes on val, then copy its stages 1-3 with their records and
     those figures into the shipped folder (commit it: `make ship` does both steps)."""
-    from training.pipeline import NEEDS_TORCH, CatalogConfig, recipe, stage_keys
+    from training.pipeline import CatalogConfig, stage_keys
+    from training.recipe import resolve_recipe
     from training.shipped import SHIPPED_PRESET, ship, shippable
 
-    configs, _ = recipe(SHIPPED_PRESET)
+    configs, _ = resolve_recipe(SHIPPED_PRESET)
     if configs is None:
         raise InputError(f"r4t ship checks the recipe, and {NEEDS_TORCH}")
     from training.evaluation.regression import shipped_figures  # its methods need the extra

@@ -19,9 +19,9 @@ from training.pipeline import (
     CatalogConfig,
     build_bundle,
     plan_stages,
-    stage_configs,
     stage_keys,
 )
+from training.recipe import Recipe
 from training.stage1_fanout.policy import load_tokenizer
 from training.stage1_fanout.random_init import write_random_checkpoint
 
@@ -36,7 +36,7 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Catalo
     texts = [json.loads(line)["text"] for line in catalog.read_text().splitlines()]
     init = write_random_checkpoint(root / "init", texts)
     bundle = root / "recipe"
-    build_bundle(bundle, config, presets=stage_configs("gpu-smoke", init))
+    build_bundle(bundle, config, presets=Recipe.for_preset("gpu-smoke", init))
     return bundle, init, config
 
 
@@ -65,7 +65,7 @@ def test_the_recipe_builds_every_stage_from_the_checkpoint(recipe, capsys) -> No
     exported = json.loads((bundle / "folm" / "folm.json").read_text())
     assert exported["bos_id"] is None and exported["preset"] == "foreign"
     assert exported["vocab_size"] > len(load_tokenizer(init))
-    build_bundle(bundle, config, presets=stage_configs("gpu-smoke", init))
+    build_bundle(bundle, config, presets=Recipe.for_preset("gpu-smoke", init))
     assert "every stage is up to date" in capsys.readouterr().out
 
 
@@ -76,7 +76,7 @@ def test_a_checkpoint_changed_in_place_rebuilds_stage_1_and_after(recipe) -> Non
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     try:
-        keys = stage_keys(config, stage_configs("gpu-smoke", init))
+        keys = stage_keys(config, Recipe.for_preset("gpu-smoke", init))
         plan = {step["stage"]: step["action"] for step in plan_stages(read_manifest(bundle), keys)}
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))

@@ -14,10 +14,8 @@ from pathlib import Path
 import pytest
 
 from service.artifacts.bundle import (
-    BUILD_STATUS,
     MANIFEST,
     new_manifest,
-    read_build_status,
     read_manifest,
     stage,
     stage_hash,
@@ -26,10 +24,12 @@ from service.artifacts.bundle import (
     write_json_atomic,
     write_manifest,
 )
+from service.artifacts.progress import BUILD_STATUS, read_build_status
 from service.errors import BundleError
 from service.runtime.encoder import EncoderConfig
 from tests.training.stage1_fanout.test_policy import make_tiny_bundle
-from training.pipeline import PIPELINE, CatalogConfig, build_bundle, stage_configs
+from training.pipeline import PIPELINE, CatalogConfig, build_bundle
+from training.recipe import Recipe
 
 MODEL_STAGES = ("folm-warmstart", "folm", "synthesis", "diffusion")
 
@@ -89,7 +89,7 @@ def test_a_built_bundle_is_current_and_rebuilds_nothing(built, capsys) -> None:
 def test_a_stage_config_change_rebuilds_it_and_its_downstream_only(built, tmp_path) -> None:
     bundle, config, first, _ = built
     bundle = copy_of(bundle, tmp_path / "copy")
-    tiny = stage_configs("tiny")
+    tiny = Recipe.for_preset("tiny")
     configs = replace(tiny, synthesis=replace(tiny.synthesis, samples_per_query=4))
     manifest = build_bundle(bundle, config, presets=configs)
     assert plan_of(bundle) == {
@@ -200,10 +200,10 @@ def test_the_warm_starts_key_holds_the_policy_it_builds(monkeypatch) -> None:
     from training.stage1_fanout import policy
 
     catalog = CatalogConfig(source="wordnet")
-    before = stage_keys(catalog, stage_configs("tiny"))
+    before = stage_keys(catalog, Recipe.for_preset("tiny"))
     wider = replace(policy.POLICY_PRESETS["tiny"], context=6, candidates="dense")
     monkeypatch.setitem(policy.POLICY_PRESETS, "tiny", wider)
-    after = stage_keys(catalog, stage_configs("tiny"))
+    after = stage_keys(catalog, Recipe.for_preset("tiny"))
     assert after["folm-warmstart"]["policy"]["candidates"] == "dense"
     assert after["folm-warmstart"] != before["folm-warmstart"]
     assert after["folm"] == before["folm"]  # GRPO's own config is unchanged; its input is not
@@ -239,7 +239,7 @@ def test_shipped_stages_are_adopted_on_matching_inputs_and_rebuilt_on_a_changed_
     from training.shipped import SHIPPED_STAGES, ShippedStages, ship
 
     bundle, config, first, _ = built
-    tiny = stage_configs("tiny")
+    tiny = Recipe.for_preset("tiny")
     out = ship(bundle, stage_keys(config, tiny), {"note": "tiny"}, tmp_path / "shipped")
     shipped = ShippedStages.open(out)
     assert shipped is not None and not (out / "runs").exists()
@@ -289,17 +289,16 @@ def test_without_torch_a_build_adopts_shipped_stages_by_their_recorded_recipe(
     """`make serve`'s install has no torch: the catalog stages build, stages 1-3 come from the
     shipped folder by the keys recorded there, and with no shipped folder the build stops after
     the catalog stages, naming what installs torch."""
-    from training import pipeline
     from training.pipeline import stage_keys
     from training.shipped import SHIPPED_STAGES, ShippedStages, ship
 
     bundle, config, _, _ = built
-    out = ship(bundle, stage_keys(config, stage_configs("tiny")), {}, tmp_path / "shipped")
+    out = ship(bundle, stage_keys(config, Recipe.for_preset("tiny")), {}, tmp_path / "shipped")
 
     def no_torch(preset: str, init: object = None) -> None:
         raise ModuleNotFoundError("No module named 'torch'", name="torch")
 
-    monkeypatch.setattr(pipeline, "stage_configs", no_torch)
+    monkeypatch.setattr(Recipe, "for_preset", staticmethod(no_torch))
     monkeypatch.setattr(ShippedStages, "for_preset", classmethod(lambda cls, p: cls.open(out)))
     manifest = build_bundle(tmp_path / "lean", config, presets="tiny")
     assert all(manifest["stages"][name]["shipped_from"] == str(out) for name in SHIPPED_STAGES)
@@ -320,5 +319,5 @@ def test_ship_refuses_an_out_folder_that_holds_something_else(built, tmp_path) -
     other.mkdir()
     (other / "manifest.json").write_text("{}")
     with pytest.raises(BundleError, match=r"holds no shipped\.json"):
-        ship(bundle, stage_keys(config, stage_configs("tiny")), {}, other)
+        ship(bundle, stage_keys(config, Recipe.for_preset("tiny")), {}, other)
     assert (other / "manifest.json").read_text() == "{}"

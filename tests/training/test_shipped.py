@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from service.artifacts.bundle import config_hash, sha256_file, verify_bundle
-from training import pipeline
+from training import builders
 from training.evaluation.regression import CHECKED, METRICS, regressions
-from training.pipeline import CatalogConfig, build_bundle, stage_configs, stage_keys
+from training.pipeline import CatalogConfig, build_bundle, stage_keys
+from training.recipe import Recipe
 from training.shipped import SHIPPED_PRESET, SHIPPED_STAGES, ShippedStages
 
 SHIPPED = ShippedStages.for_preset(SHIPPED_PRESET)
@@ -27,7 +28,7 @@ def shipped() -> ShippedStages:
 
 def test_the_shipped_stages_are_the_recipe_the_code_builds_now() -> None:
     stages = shipped()
-    keys = stage_keys(CatalogConfig(), stage_configs(SHIPPED_PRESET))
+    keys = stage_keys(CatalogConfig(), Recipe.for_preset(SHIPPED_PRESET))
     stale = [name for name in SHIPPED_STAGES
              if stages.record["stages"][name]["config_hash"] != config_hash(keys[name])]
     assert not stale, f"{', '.join(stale)}: the recipe changed since they were shipped: " \
@@ -55,12 +56,12 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> Path:
         raise AssertionError("a shipped stage was not adopted: see the printed reason")
 
     bundle = tmp_path_factory.mktemp("shipped") / "default"
-    saved = dict(pipeline.BUILDERS)
-    pipeline.BUILDERS.update(dict.fromkeys(SHIPPED_STAGES, train))
+    saved = dict(builders.BUILDERS)
+    builders.BUILDERS.update(dict.fromkeys(SHIPPED_STAGES, train))
     try:
         build_bundle(bundle, CatalogConfig(), presets=SHIPPED_PRESET)
     finally:
-        pipeline.BUILDERS.update(saved)
+        builders.BUILDERS.update(saved)
     return bundle
 
 

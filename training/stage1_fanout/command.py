@@ -19,8 +19,8 @@ from training.stage1_fanout.grpo import (
     GrpoConfig,
     resolve_config,
     reward_terms_of,
-    train_grpo,
 )
+from training.stage1_fanout.grpo_run import train_grpo
 from training.stage1_fanout.warmstart import resolve_config as warm_config
 from training.stage1_fanout.warmstart import warm_start
 

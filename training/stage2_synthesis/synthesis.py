@@ -19,7 +19,8 @@ by `service.fanout.decoding.FanoutDecoder` — what the service runs, and faster
 `generate` on CPU: docs/experiments.md), `torch` (HF `generate` in this process, on the GPU if
 any), `http` (an OpenAI-compatible `/v1/completions` endpoint) and `vllm` (a vLLM server started
 on the policy for the run, the accelerator recipe's: docs/gpu.md; "lines" decoding as vLLM's
-regex). Each distinct sub-query text is embedded and searched once per run (`ResolutionCache`);
+regex; the clients are in samplers.py). Each distinct sub-query text is embedded and searched
+once per run (resolution.py's `ResolutionCache`);
 the ledger's retrieval calls count those searches.
 The run directory (`models/<bundle>/runs/synthesis/`) holds config.json,
 shards/shard-NNNNN.npz + .jsonl (resumable: finished shards are skipped) and ledger.json
@@ -35,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -44,13 +45,18 @@ from service.artifacts.bundle import config_hash, git_commit, load_bundle, read_
 from service.errors import BundleError, InputError
 from service.fanout.candidates import DEFAULT_SOURCE, Candidates
 from service.fanout.decoding import lines_regex
-from service.fanout.format import PROMPT_RECIPE, PromptBuilder, item_names, parse_fanout
-from service.fanout.grounding import NameGrounding
-from service.fanout.reward import reward_terms
-from service.fanout.trie import DECODINGS, NAME_SCOPES, NameConstraint
+from service.fanout.format import PROMPT_RECIPE, PromptBuilder, item_names
+from service.fanout.trie import DECODINGS, NAME_SCOPES
 from service.loopback import free_port
 from service.runtime.encoder import Encoder
-from service.runtime.index import search
+from training.stage2_synthesis.resolution import ResolutionCache, resolve_samples
+from training.stage2_synthesis.samplers import (
+    HttpSampler,
+    OnnxSampler,
+    Sampler,
+    TorchSampler,
+    chosen_backend,
+)
 from training.stage2_synthesis.server import served, vllm_command
 
 SYNTHESIS_RUN = "synthesis"
@@ -136,146 +142,6 @@ class SynthesisDataset:
         return len(self.query_index)
 
 
-class Sampler(Protocol):
-    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
-               seed: int) -> tuple[list[str], int]: ...
-
-
-class OnnxSampler:
-    """The exported policy decoded by ONNX Runtime with a KV cache, in this process."""
-
-    def __init__(self, folm_dir: Path, threads: int, decoding: str = "lines",
-                 names: list[str] | None = None) -> None:
-        from service.fanout.decoding import FanoutDecoder
-
-        self.decoder = FanoutDecoder(folm_dir, threads=threads)
-        self.free = decoding == "free"
-        self.names = NameConstraint(self.decoder.tokenizer, int(self.decoder.config["eos_id"]),
-                                    decoding, names or ()) if decoding in NAME_SCOPES else None
-
-    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
-               seed: int) -> tuple[list[str], int]:
-        gens = self.decoder.generate([prompt] * n, temperature, max_new_tokens, seed,
-                                     enforce_lines=not self.free, names=self.names)
-        return [g.text for g in gens], sum(g.n_tokens for g in gens)
-
-
-class TorchSampler:
-    """HF `generate` on an in-process checkpoint; returns (texts, tokens generated)."""
-
-    def __init__(self, checkpoint: Path, k: int, decoding: str = "lines",
-                 names: list[str] | None = None, device: str = "cpu") -> None:
-        from training.stage1_fanout.grammar import constrain_generation
-        from training.stage1_fanout.policy import load_policy
-
-        self.model, self.tokenizer = load_policy(checkpoint)
-        self.model.to(device).eval()
-        constrain_generation(self.model, self.tokenizer, k, decoding, names or ())  # as served
-
-    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
-               seed: int) -> tuple[list[str], int]:
-        import torch
-
-        torch.manual_seed(seed)
-        enc = self.tokenizer([prompt], return_tensors="pt").to(self.model.device)
-        with torch.no_grad():
-            out = self.model.generate(
-                **enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                max_new_tokens=max_new_tokens, num_return_sequences=n,
-                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
-            )
-        new = out[:, enc["input_ids"].shape[1] :]  # (n, T)
-        eos = self.tokenizer.eos_token_id
-        ended = (new == eos).int()
-        lengths = torch.where(ended.any(1), ended.argmax(1) + 1, torch.full_like(ended[:, 0],
-                                                                               new.shape[1]))
-        texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
-        return texts, int(lengths.sum())
-
-
-class HttpSampler:
-    """An OpenAI-compatible completions endpoint (e.g. vLLM's `/v1/completions`)."""
-
-    def __init__(self, endpoint: str, model: str, timeout: float = 120.0,
-                 regex: str | None = None) -> None:
-        import httpx
-
-        self.model, self.regex = model, regex  # regex: vLLM's structured outputs
-        self.client = httpx.Client(base_url=endpoint.rstrip("/"), timeout=timeout)
-
-    def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,
-               seed: int) -> tuple[list[str], int]:
-        body = {"model": self.model, "prompt": prompt, "n": n,
-                "temperature": temperature, "max_tokens": max_new_tokens, "seed": seed}
-        if self.regex:
-            body["structured_outputs"] = {"regex": self.regex}
-        response = self.client.post("/v1/completions", json=body)
-        response.raise_for_status()
-        payload = response.json()
-        choices = sorted(payload["choices"], key=lambda c: c.get("index", 0))
-        tokens = int(payload.get("usage", {}).get("completion_tokens", 0))
-        return [c["text"] for c in choices], tokens
-
-
-class ResolutionCache:
-    """Sub-query text → (probe, top-1 row, cosine), shared across queries of a run.
-
-    A catalog name resolves to its item by lookup (service/fanout/grounding.py: probe = the item,
-    cosine
-    1); other texts are embedded and searched once each — a trained policy reuses texts across
-    queries. Bounded: cleared when it holds `limit` texts.
-    """
-
-    def __init__(self, bundle: Any, encoder: Encoder, limit: int = 500_000) -> None:
-        self.bundle, self.encoder, self.limit = bundle, encoder, limit
-        self.grounding = NameGrounding(bundle.items.texts, bundle.items.embeddings)
-        self.entries: dict[str, tuple[np.ndarray, int, float]] = {}
-        self.searches = 0
-
-    def lookup(
-        self, texts: list[str], query: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(probes (U, d), rows (U,), sims (U,)) of distinct `texts` written for `query` (d,)."""
-        named = self.grounding.rows(texts, np.broadcast_to(query, (len(texts), len(query))))
-        free = [t for t, r in zip(texts, named, strict=True) if r < 0]
-        missing = [t for t in free if t not in self.entries]
-        if len(self.entries) + len(missing) > self.limit:
-            self.entries.clear()
-            missing = free
-        if missing:
-            vectors = self.encoder.encode(missing)  # (M, d)
-            sims, rows = search(self.bundle.index, vectors, 1)  # (M, 1)
-            self.searches += len(missing)
-            for j, text in enumerate(missing):
-                self.entries[text] = (vectors[j], int(rows[j, 0]), float(sims[j, 0]))
-        items = self.bundle.items.embeddings
-        got = [(items[r], int(r), 1.0) if r >= 0 else self.entries[t]
-               for t, r in zip(texts, named, strict=True)]
-        return (np.stack([g[0] for g in got]), np.array([g[1] for g in got], dtype=np.int64),
-                np.array([g[2] for g in got], dtype=np.float32))
-
-
-def resolve_samples(
-    cache: ResolutionCache, query_emb: np.ndarray, texts: list[str], k: int
-) -> dict[str, Any] | None:
-    """Embed and resolve one query's samples; drops samples with an empty slot."""
-    parsed = [parse_fanout(t, k) for t in texts]
-    keep = [i for i, p in enumerate(parsed) if all(p.subqueries)]
-    if not keep:
-        return None
-    subs = [s for i in keep for s in parsed[i].subqueries]
-    position = {text: j for j, text in enumerate(dict.fromkeys(subs))}
-    slot = np.array([position[s] for s in subs])  # (S·k,) into the distinct texts
-    vectors, rows, sims = cache.lookup(list(position), query_emb)  # (U, d), (U,), (U,)
-    probes = vectors[slot].reshape(len(keep), k, -1)  # (S, k, d)
-    rows = rows[slot].reshape(len(keep), k)  # (S, k)
-    target = cache.bundle.items.embeddings[rows]  # (S, k, d)
-    valid = np.stack([parsed[i].scored for i in keep])  # (S, k): the GRPO reward's slots
-    terms = reward_terms(query_emb, probes, valid, sims[slot].reshape(len(keep), k), target)
-    return {"keep": np.asarray(keep), "rows": rows, "target": target, "terms": terms,
-            "subs": [parsed[i].subqueries for i in keep]}
-
-
 def top_fraction(reward: np.ndarray, frac: float | None) -> np.ndarray:
     """Indices of the best `frac` of samples by reward (all of them when frac is None)."""
     if frac is None:
@@ -329,16 +195,6 @@ def save_shard(path: Path, arrays: dict[str, list], lines: list[str], k: int, di
     tmp = path.with_name(path.stem + ".tmp.npz")
     np.savez(tmp, **data)
     tmp.replace(path)
-
-
-def chosen_backend(backend: str, decoding: str) -> str:
-    """`auto`: vLLM where a GPU runs it and the decoding is one regex, else HF generate (on
-    the GPU if any)."""
-    if backend != "auto":
-        return backend
-    from training.device import device_of
-
-    return "vllm" if device_of().vllm and decoding not in NAME_SCOPES else "torch"
 
 
 @contextmanager

@@ -3,11 +3,12 @@
 Denoising score matching on `Denoiser`'s output with EDM's loss weighting and log-normal noise
 levels, AdamW, EMA weights, linear warm-up then cosine decay, and condition dropout for
 classifier-free guidance. A denoiser with a context also gets, per block, C catalog items: its
-query's nearest, or those its teacher's prompt named (`context_source`; `block_neighbourhood`,
-the same lookup the service makes). Checkpoints land in `models/<bundle>/runs/diffusion/` and
-a run resumes from its checkpoint when its config matches. Outputs next to the checkpoint:
-`loss.json` (curve + ledger), `loss_curve.png`. It trains on CUDA when torch sees a GPU
-(`training.device`); the random draws come from one generator on that device.
+query's nearest, or those its teacher's prompt named (`context_source`; context.py's
+`block_neighbourhood`, the same lookup the service makes). Checkpoints land in
+`models/<bundle>/runs/diffusion/` and a run resumes from its checkpoint when its config
+matches. Outputs next to the checkpoint: `loss.json` (curve + ledger), `loss_curve.png`. It
+trains on CUDA when torch sees a GPU (`training.device`); the random draws come from one
+generator on that device.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,53 +29,13 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import config_hash, git_commit
 from service.errors import BundleError, InputError
-from service.fanout.candidates import DEFAULT_SOURCE, Candidates
-from service.fanout.grounding import PromptNeighbourhood
-from service.fanout.ranker import RankedNeighbourhood
-from service.runtime.index import neighbour_rows
+from training.stage3_diffusion.context import BlockDataset, Neighbourhood, bundle_context
 from training.stage3_diffusion.denoiser import Denoiser, DenoiserConfig, count_params, preset
 
 RUN_NAME = "diffusion"
 CHECKPOINT = "checkpoint.pt"
 LOSS_FILE = "loss.json"
 CURVE_FILE = "loss_curve.png"
-
-
-class BlockDataset(Protocol):
-    """What training needs of `training.stage2_synthesis.synthesis.SynthesisDataset` (stage 2)."""
-
-    queries: list[str]
-    query_emb: np.ndarray  # (N, d) float32
-    target_emb: np.ndarray  # (N, k, d) float32
-    query_index: np.ndarray  # (N,) int64 into `queries`
-
-
-@dataclass(frozen=True)
-class Neighbourhood:
-    """The denoiser's context for every block: its query's C nearest catalog rows, best first."""
-
-    rows: np.ndarray  # (N, C) int64 into `embeddings`
-    embeddings: np.ndarray  # (M, d) float32, the catalog
-
-    def of(self, picks: np.ndarray, device: str = "cpu") -> torch.Tensor:
-        """(B, C, d) context embeddings of the blocks `picks`."""
-        return torch.from_numpy(np.ascontiguousarray(self.embeddings[self.rows[picks]],
-                                                     dtype=np.float32)).to(device)
-
-
-def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, n: int,
-                        prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
-                        ) -> Neighbourhood:
-    """Look each distinct query up once (its n nearest items, or with `prompt` the n items its
-    prompt names); blocks of one query share its context."""
-    _, first, inverse = np.unique(data.query_emb, axis=0, return_index=True,
-                                  return_inverse=True)
-    if prompt is None:
-        rows = neighbour_rows(index, data.query_emb[first], n)  # (U, C)
-    else:
-        texts = [data.queries[int(data.query_index[i])] for i in first]
-        rows = prompt.rows(texts, data.query_emb[first])  # (U, C)
-    return Neighbourhood(rows[inverse.reshape(-1)], embeddings)  # rows (N, C)
 
 
 @dataclass(frozen=True)
@@ -337,30 +298,11 @@ def plot_curve(curve: list[tuple[int, float]], path: Path) -> None:
     plt.close(fig)
 
 
-def prompt_context(dataset_dir: Path, n: int, source: str) -> None:
-    """Refuse a prompt-sourced context of n items of `source` when the stage-2 run's prompts
-    named another number or source (its config.json `context`, `candidates`): the student would
-    not see what its teacher saw."""
-    path = Path(dataset_dir) / "config.json"
-    record = json.loads(path.read_text()) if path.is_file() else {}
-    named = record.get("context")
-    if named is not None and int(named) != n:
-        raise BundleError(f"the teacher's prompts named {named} items ({path}) but the "
-                          f"denoiser's context is {n}: they must match for "
-                          "context_source='prompt'")
-    teacher = record.get("candidates", DEFAULT_SOURCE) if record else source
-    if teacher != source:
-        raise BundleError(f"the teacher's prompt names came from {teacher!r} candidates ({path}) "
-                          f"but the denoiser's from {source!r}: they must match for "
-                          "context_source='prompt'")
-
-
 def train_on_bundle(bundle_dir: Path, config: TrainConfig, dataset_dir: Path | None = None,
                     run_dir: Path | None = None, fresh: bool = False,
                     device: str = "cpu") -> dict[str, Any]:
     """Train (or resume) on the bundle's stage-2 dataset (default <bundle>/runs/synthesis) into
     `run_dir` (default <bundle>/runs/diffusion), with the context the model attends to."""
-    from service.artifacts.bundle import load_bundle
     from training.stage2_synthesis.synthesis import load_dataset
 
     dataset_dir = dataset_dir or bundle_dir / "runs" / "synthesis"
@@ -368,17 +310,7 @@ def train_on_bundle(bundle_dir: Path, config: TrainConfig, dataset_dir: Path | N
         data = load_dataset(dataset_dir)
     except FileNotFoundError as exc:
         raise BundleError(f"no stage-2 dataset: {exc} (run `r4t synthesize` first)") from exc
-    context, n = None, config.model.context
-    if n:
-        bundle = load_bundle(bundle_dir)
-        prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
-        if config.model.context_source == "ranked":
-            prompt = RankedNeighbourhood(bundle, n)
-        elif config.model.context_source == "prompt":
-            prompt_context(dataset_dir, n, config.model.candidates)
-            prompt = PromptNeighbourhood(Candidates.of(bundle, config.model.candidates),
-                                         bundle.items.texts, bundle.items.embeddings, n)
-        context = block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt)
+    context = bundle_context(bundle_dir, data, config.model, dataset_dir)
     run_dir = run_dir or bundle_dir / "runs" / RUN_NAME
     return train(data, config, run_dir, fresh=fresh, context=context, device=device)
 

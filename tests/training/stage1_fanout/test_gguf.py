@@ -10,7 +10,7 @@ import pytest
 
 from service.errors import BundleError
 from tests.gguf_model import write_tiny_gguf
-from training.pipeline import stage_configs
+from training.recipe import Recipe
 from training.stage1_fanout.gguf import (
     GGUF_PACKAGES,
     RECORD,
@@ -65,7 +65,7 @@ def test_conversion_is_cached_by_the_ggufs_hash(tiny_gguf, tmp_path):
 
 def test_init_accepts_a_gguf_file(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    configs = stage_configs("gpu-smoke", tiny_gguf)
+    configs = Recipe.for_preset("gpu-smoke", tiny_gguf)
     assert (Path(configs.init) / "config.json").is_file()
     assert Path(configs.init).parent == (tmp_path / "models" / "inits").resolve()
     assert hf_checkpoint(configs.init) == Path(configs.init)  # a folder stays as it is
@@ -75,7 +75,7 @@ def test_unknown_sources_are_clear_errors(tmp_path):
     with pytest.raises(BundleError, match="no GGUF file"):
         resolve_gguf(tmp_path / "missing.gguf")
     with pytest.raises(BundleError, match="no Hugging Face checkpoint"):
-        stage_configs("gpu-smoke", tmp_path)
+        Recipe.for_preset("gpu-smoke", tmp_path)
 
 
 def test_a_package_shipping_a_gguf_is_read_without_importing_it(tiny_gguf, tmp_path,

@@ -20,12 +20,10 @@ from training.stage1_fanout.ablation import best_of_n, collapse_signatures, mode
 from training.stage1_fanout.grpo import (
     GRPO_PRESETS,
     FanoutScorer,
-    per_process_batch,
     resolve_config,
     reward_functions,
-    train_grpo,
-    vllm_of,
 )
+from training.stage1_fanout.grpo_run import per_process_batch, train_grpo, vllm_of
 from training.stage1_fanout.policy import load_policy
 
 GOOD = format_fanout(["tent", "lantern", "compass", "backpack", "tarp", "hammock", "canteen",

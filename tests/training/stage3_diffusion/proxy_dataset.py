@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from training.stage3_diffusion.trainer import Neighbourhood
+    from training.stage3_diffusion.context import Neighbourhood
 
 
 @dataclass
@@ -53,7 +53,7 @@ def synthetic_blocks(n_queries: int = 8, per_query: int = 4, k: int = 10, d: int
 def synthetic_neighbourhood(data: ProxyDataset, n: int) -> Neighbourhood:
     """The blocks' context: each query's n nearest items of the dataset's catalog."""
     from service.runtime.index import build_index
-    from training.stage3_diffusion.trainer import block_neighbourhood
+    from training.stage3_diffusion.context import block_neighbourhood
 
     assert data.catalog is not None
     return block_neighbourhood(data, build_index(data.catalog), data.catalog, n)

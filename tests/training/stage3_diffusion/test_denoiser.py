@@ -105,7 +105,7 @@ def test_context_conditions_the_rows_and_is_dropped_with_the_query():
 def test_a_prompt_context_is_the_items_each_querys_prompt_names():
     from service.fanout.grounding import PromptNeighbourhood
     from service.runtime.index import build_index
-    from training.stage3_diffusion.trainer import block_neighbourhood
+    from training.stage3_diffusion.context import block_neighbourhood
 
     data = synthetic_blocks()
     nearest = np.argsort(-(data.query_emb @ data.catalog.T), axis=1)  # (N, M)
@@ -121,7 +121,7 @@ def test_a_prompt_context_is_the_items_each_querys_prompt_names():
 
 def test_a_prompt_context_must_name_as_many_items_as_the_teachers_prompts(tmp_path):
     from service.errors import BundleError
-    from training.stage3_diffusion.trainer import prompt_context
+    from training.stage3_diffusion.context import prompt_context
 
     prompt_context(tmp_path, 16, "hybrid")  # no record: nothing to check
     (tmp_path / "config.json").write_text('{"stage": "synthesis", "context": 16}')

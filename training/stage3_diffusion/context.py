@@ -1,0 +1,96 @@
+"""The denoiser's context: per training block, the C catalog items its query's prompt or
+neighbourhood gives, looked up as the service will look them up when it serves the model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from service.errors import BundleError
+from service.fanout.candidates import DEFAULT_SOURCE, Candidates
+from service.fanout.grounding import PromptNeighbourhood
+from service.fanout.ranker import RankedNeighbourhood
+from service.runtime.index import neighbour_rows
+
+if TYPE_CHECKING:
+    from training.stage3_diffusion.denoiser import DenoiserConfig
+
+
+class BlockDataset(Protocol):
+    """What training needs of `training.stage2_synthesis.synthesis.SynthesisDataset` (stage 2)."""
+
+    queries: list[str]
+    query_emb: np.ndarray  # (N, d) float32
+    target_emb: np.ndarray  # (N, k, d) float32
+    query_index: np.ndarray  # (N,) int64 into `queries`
+
+
+@dataclass(frozen=True)
+class Neighbourhood:
+    """The denoiser's context for every block: its query's C nearest catalog rows, best first."""
+
+    rows: np.ndarray  # (N, C) int64 into `embeddings`
+    embeddings: np.ndarray  # (M, d) float32, the catalog
+
+    def of(self, picks: np.ndarray, device: str = "cpu") -> torch.Tensor:
+        """(B, C, d) context embeddings of the blocks `picks`."""
+        return torch.from_numpy(np.ascontiguousarray(self.embeddings[self.rows[picks]],
+                                                     dtype=np.float32)).to(device)
+
+
+def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, n: int,
+                        prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
+                        ) -> Neighbourhood:
+    """Look each distinct query up once (its n nearest items, or with `prompt` the n items its
+    prompt names); blocks of one query share its context."""
+    _, first, inverse = np.unique(data.query_emb, axis=0, return_index=True,
+                                  return_inverse=True)
+    if prompt is None:
+        rows = neighbour_rows(index, data.query_emb[first], n)  # (U, C)
+    else:
+        texts = [data.queries[int(data.query_index[i])] for i in first]
+        rows = prompt.rows(texts, data.query_emb[first])  # (U, C)
+    return Neighbourhood(rows[inverse.reshape(-1)], embeddings)  # rows (N, C)
+
+
+def prompt_context(dataset_dir: Path, n: int, source: str) -> None:
+    """Refuse a prompt-sourced context of n items of `source` when the stage-2 run's prompts
+    named another number or source (its config.json `context`, `candidates`): the student would
+    not see what its teacher saw."""
+    path = Path(dataset_dir) / "config.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    named = record.get("context")
+    if named is not None and int(named) != n:
+        raise BundleError(f"the teacher's prompts named {named} items ({path}) but the "
+                          f"denoiser's context is {n}: they must match for "
+                          "context_source='prompt'")
+    teacher = record.get("candidates", DEFAULT_SOURCE) if record else source
+    if teacher != source:
+        raise BundleError(f"the teacher's prompt names came from {teacher!r} candidates ({path}) "
+                          f"but the denoiser's from {source!r}: they must match for "
+                          "context_source='prompt'")
+
+
+def bundle_context(bundle_dir: Path, data: BlockDataset, model: DenoiserConfig,
+                   dataset_dir: Path) -> Neighbourhood | None:
+    """Each block's context from the bundle, as `model.context_source` says the service will
+    look it up (None for a model without a context)."""
+    from service.artifacts.bundle import load_bundle
+
+    n = model.context
+    if not n:
+        return None
+    bundle = load_bundle(bundle_dir)
+    prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
+    if model.context_source == "ranked":
+        prompt = RankedNeighbourhood(bundle, n)
+    elif model.context_source == "prompt":
+        prompt_context(dataset_dir, n, model.candidates)
+        prompt = PromptNeighbourhood(Candidates.of(bundle, model.candidates),
+                                     bundle.items.texts, bundle.items.embeddings, n)
+    return block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt)
