@@ -1,7 +1,9 @@
 # r4t: multi-stage image. The builder builds the default bundle as `make serve` does: the
 # catalog stages from apt's wordnet-base, stages 1-3 adopted from models/shipped/default (no
 # torch; a recipe that no longer matches them fails the build: rebuild and ship them first,
-# README); the runtime holds only the service's dependencies, the bundle and a non-root user.
+# README); the runtime holds only the service (no training/: `r4t` is service.command, which
+# imports training only for the subcommands that build), its dependencies, the bundle and a
+# non-root user.
 #   docker build -t r4t .                          # CPU runtime
 #   docker build -t r4t:gpu --build-arg RUNTIME=gpu .   # onnxruntime-gpu on a CUDA base image
 ARG RUNTIME=cpu
@@ -32,7 +34,6 @@ ARG RUNTIME
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY service service
-COPY training training
 # onnxruntime-gpu replaces the CPU wheel (both install the `onnxruntime` module).
 RUN pip install --no-cache-dir '.[milvus]' \
     && if [ "$RUNTIME" = gpu ]; then pip uninstall -y onnxruntime \

@@ -39,7 +39,7 @@ def start_server(bundle: Path, port: int, log: Path, prefix: tuple[str, ...] = (
     env = {**os.environ, "R4T_BUNDLE": str(bundle), "R4T_HOST": HOST, "R4T_PORT": str(port),
            "R4T_LOG_LEVEL": "warning", **overrides}
     handle = log.open("w")
-    return subprocess.Popen([*prefix, sys.executable, "-m", "training.cli", "serve"], env=env,
+    return subprocess.Popen([*prefix, sys.executable, "-m", "service.command", "serve"], env=env,
                             stdout=handle, stderr=subprocess.STDOUT)
 
 

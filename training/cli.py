@@ -1,17 +1,17 @@
-"""The `r4t` command: catalog, bundle, eval (and, as they land, train, synthesize, serve)."""
+"""The training subcommands of `r4t` (service/command.py's table): catalog, bundle, ship,
+index, eval, table, export, llm, synthesize and train; torch-free until one runs."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 from service.arguments import positive
-from service.errors import InputError, R4TError
+from service.errors import InputError
 from service.fanout.trie import DECODINGS
 from service.runtime.encoder import MATRYOSHKA_DIMS
-from service.settings import DEFAULT_BUNDLE, Settings
+from service.settings import Settings
 from training.commands import register_diffusion, subcommand_group
 from training.data.catalog import WORDNET
 from training.data.query_sets import EVAL_SPLITS
@@ -211,10 +211,8 @@ def cmd_table(args: argparse.Namespace) -> None:
         print(paired_table(args.bundle, split, args.paired))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="r4t", description=__doc__)
-    parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE, help="bundle folder")
-    sub = parser.add_subparsers(dest="command", required=True)
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add every training subcommand to the r4t command (service/command.py)."""
 
     # no abbreviations: `--index` (an engine) must never read as `--index-factory` (FAISS)
     catalog = sub.add_parser("catalog", help="build the catalog, index and benchmark stages",
@@ -294,7 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="and this method minus each other, paired over queries, per split")
     table.set_defaults(func=cmd_table)
 
-    from service.api.server import register as register_serve
     from training.stage1_fanout import export as policy_export
     from training.stage1_fanout import gguf
     from training.stage2_synthesis import command as synthesis_command
@@ -303,8 +300,6 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(sub)
     register_train_folm(sub)
     register_diffusion(sub)
-    register_serve(sub)
-    return parser
 
 
 def register_train_folm(sub: argparse._SubParsersAction) -> None:
@@ -324,17 +319,3 @@ def register_train_folm(sub: argparse._SubParsersAction) -> None:
 
 def needs_training(args: argparse.Namespace) -> None:
     raise InputError(f"r4t train folm needs torch: {NEEDS_TORCH}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except R4TError as exc:
-        print(f"r4t: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,7 +18,7 @@ def launch_grpo(bundle_dir: Path, config: GrpoConfig, init: Path, gpus: int) -> 
     preset's). In its own processes even on one GPU."""
     processes = max(n for n in range(1, gpus + 1) if config.queries_per_step % n == 0)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes",
-               str(processes), "-m", "training.cli", "--bundle", str(bundle_dir), "train",
+               str(processes), "-m", "service.command", "--bundle", str(bundle_dir), "train",
                "folm", "--preset", config.preset, "--init", str(init)]
     print("== " + " ".join(command), flush=True)
     subprocess.run(command, check=True)

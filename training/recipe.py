@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.artifacts.bundle import sha256_file
-from service.errors import BundleError
+from service.errors import BundleError, InputError
 from training.shipped import ShippedStages
 from training.stage1_fanout.gguf import hf_checkpoint
 
@@ -92,7 +92,7 @@ class Recipe:
 def _names(preset: str, init: str | Path | None) -> PresetNames:
     """The preset's row, refused before any write when unknown or when it lacks its --init."""
     if preset not in RECIPE_PRESETS:
-        raise ValueError(f"unknown bundle preset {preset!r}; available: {BUNDLE_PRESETS}")
+        raise InputError(f"unknown bundle preset {preset!r}; available: {BUNDLE_PRESETS}")
     if RECIPE_PRESETS[preset].needs_init and init is None:
         raise BundleError(f"the {preset} preset trains a pretrained causal LM: name its local "
                           "checkpoint folder with --init (docs/gpu.md)")

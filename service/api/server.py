@@ -154,7 +154,7 @@ def serve(settings: Settings | None = None) -> None:
 def background_build(bundle: Path) -> Iterator[subprocess.Popen]:
     """`r4t bundle` in a lower-priority child process (its progress bars on this terminal);
     stopped when serving ends."""
-    command = [sys.executable, "-m", "training.cli", "--bundle", str(bundle), "bundle"]
+    command = [sys.executable, "-m", "service.command", "--bundle", str(bundle), "bundle"]
     child = subprocess.Popen(command, preexec_fn=lambda: os.nice(BUILD_NICENESS))
     try:
         yield child

@@ -23,7 +23,10 @@ from service.runtime.index import search
 from service.runtime.segments import first_n_each, spans, sum_by_owner
 
 CANDIDATE_SOURCES = ("dense", "lexical", "hybrid")
-DEFAULT_SOURCE = "dense"  # what a policy or sampler recorded before sources existed
+# The source a policy, sampler or denoiser config means when it names none: what they used
+# before sources existed. Presets all name "hybrid"; this stays "dense" so recorded configs
+# (and their hashes) keep meaning what they meant.
+UNRECORDED_SOURCE = "dense"
 RRF_K = 60  # reciprocal-rank fusion's damping constant (Cormack et al. 2009)
 
 
@@ -31,7 +34,7 @@ class Candidates:
     """One source's candidate generator over an index (and the lexical index it may need)."""
 
     def __init__(self, index: Any, lexical: LexicalIndex | None = None,
-                 source: str = DEFAULT_SOURCE) -> None:
+                 source: str = UNRECORDED_SOURCE) -> None:
         if source not in CANDIDATE_SOURCES:
             raise BundleError(f"unknown candidate source {source!r}; use one of "
                               f"{CANDIDATE_SOURCES}")
@@ -42,7 +45,7 @@ class Candidates:
 
     @classmethod
     def of(cls, bundle: Bundle, source: str | None = None) -> Candidates:
-        return cls(bundle.index, bundle.lexical, source or DEFAULT_SOURCE)
+        return cls(bundle.index, bundle.lexical, source or UNRECORDED_SOURCE)
 
     def rows(self, texts: Sequence[str], queries: np.ndarray, n: int) -> list[np.ndarray]:
         """Per query (texts and embeddings (Q, d)), up to n distinct catalog rows, best first."""
@@ -61,7 +64,7 @@ def dense_rows(index: Any, queries: np.ndarray, n: int) -> list[np.ndarray]:
 
 
 def candidate_rows(bundle: Bundle, texts: Sequence[str], queries: np.ndarray, n: int,
-                   source: str = DEFAULT_SOURCE) -> list[np.ndarray]:
+                   source: str = UNRECORDED_SOURCE) -> list[np.ndarray]:
     """Per query, up to n distinct catalog rows of `source`, best first."""
     return Candidates.of(bundle, source).rows(texts, queries, n)
 

@@ -16,7 +16,7 @@ from service.artifacts.bundle import Bundle
 from service.backends.protocol import FanoutBackend
 from service.deadline import earliest
 from service.fanout.cache import FanoutCache
-from service.fanout.candidates import DEFAULT_SOURCE, Candidates
+from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.format import Generation, PromptBuilder, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.paths.answer import PathAnswer, PathQuery, StageClock, selection_notes, stamp
@@ -31,7 +31,7 @@ class AutoregressivePath:
 
     def __init__(
         self, bundle: Bundle, encoder: Encoder, backend: FanoutBackend, fanout_k: int,
-        context: int = 0, candidates: str = DEFAULT_SOURCE, cache_size: int = 0,
+        context: int = 0, candidates: str = UNRECORDED_SOURCE, cache_size: int = 0,
     ) -> None:
         self.bundle, self.encoder, self.backend, self.fanout_k = bundle, encoder, backend, fanout_k
         self.cache = FanoutCache(cache_size)

@@ -14,7 +14,7 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.errors import BundleError
-from service.fanout.candidates import DEFAULT_SOURCE, Candidates
+from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.ranker import RankedNeighbourhood
 from service.paths.answer import PathAnswer, PathQuery, StageClock, selection_notes, stamp
@@ -61,7 +61,7 @@ class DiffusionContext:
         if self.n and self.source == "ranked":  # a student distilled from the ranker
             self.prompt = RankedNeighbourhood(bundle, self.n)
         elif self.n and self.source == "prompt":
-            source = str(config.get("candidates", DEFAULT_SOURCE))
+            source = str(config.get("candidates", UNRECORDED_SOURCE))
             self.prompt = PromptNeighbourhood(Candidates.of(bundle, source), bundle.items.texts,
                                               bundle.items.embeddings, self.n)
 

@@ -17,7 +17,7 @@ from service.backends.onnx import OnnxFanoutBackend
 from service.backends.openai import OpenAICompletionBackend, OpenAIConfig
 from service.backends.protocol import FanoutBackend
 from service.errors import BundleError
-from service.fanout.candidates import DEFAULT_SOURCE
+from service.fanout.candidates import UNRECORDED_SOURCE
 from service.fanout.format import MAX_NEW_TOKENS, item_names
 from service.paths.autoregressive import AutoregressivePath
 from service.paths.diffusion import DiffusionPath, Sampler
@@ -89,7 +89,7 @@ def _onnx_backend(settings: Settings, bundle: Bundle, loaders: Loaders,
     if backend.decoding == "context" and context == 0:
         raise BundleError("R4T_AR_DECODING=context needs catalog names in the prompt "
                           "(R4T_AR_CONTEXT > 0)")
-    source = settings.ar_candidates or str(decoder.config.get("candidates", DEFAULT_SOURCE))
+    source = settings.ar_candidates or str(decoder.config.get("candidates", UNRECORDED_SOURCE))
     return backend, int(decoder.config.get("k", settings.fanout_k)), context, source
 
 
@@ -117,7 +117,7 @@ def _openai_backend(settings: Settings, base_url: str) -> BackendChoice:
         max_tokens=settings.ar_max_new_tokens or MAX_NEW_TOKENS,
     )
     return (OpenAICompletionBackend(config), settings.fanout_k, settings.ar_context or 0,
-            settings.ar_candidates or DEFAULT_SOURCE)
+            settings.ar_candidates or UNRECORDED_SOURCE)
 
 
 def ar_path(

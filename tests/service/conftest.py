@@ -371,7 +371,7 @@ def server_process(bundle: Path, completion: CompletionServer, log: Path,
                    "R4T_THREADS": "1", "R4T_DRAIN_S": "0", "R4T_FANOUT_THRESHOLD": "0",
                    **env}
     with log.open("w") as handle:
-        process = subprocess.Popen([sys.executable, "-m", "training.cli", "serve"],
+        process = subprocess.Popen([sys.executable, "-m", "service.command", "serve"],
                                    env=environment, stdout=handle, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from service.artifacts.bundle import read_manifest
+from service.command import main
 from service.loopback import free_port, wait_ready
 from tests.training.stage1_fanout.test_policy import write_tiny_sources
-from training.cli import main
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 BUNDLE = "models/mine"
@@ -88,7 +88,7 @@ def test_the_readme_commands_build_evaluate_and_serve_my_catalog(own, capsys) ->
                for m in ("single", "ranked", "diffusion"))
 
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "training.cli", *serve, "--port",
+    process = subprocess.Popen([sys.executable, "-m", "service.command", *serve, "--port",
                                 str(port)], cwd=own, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     try:
@@ -140,7 +140,7 @@ def test_a_command_on_a_bundle_without_its_stage_names_it_in_one_line(own, half,
 
 @pytest.mark.parametrize("command", [
     ["-m", "loadtest.bench", "--bundle", "{own}/models/half"],
-    ["-m", "training.cli", "--bundle", "{own}/models/none", "serve"],
+    ["-m", "service.command", "--bundle", "{own}/models/none", "serve"],
 ], ids=["bench", "serve"])
 def test_bench_and_serve_without_their_stages_exit_2_with_one_line(own, half, command) -> None:
     done = subprocess.run([sys.executable, *(c.format(own=own) for c in command)],

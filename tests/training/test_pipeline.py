@@ -75,7 +75,7 @@ def test_a_built_bundle_is_current_and_rebuilds_nothing(built, capsys) -> None:
     assert stages["folm"]["inputs"]["folm-warmstart"] == stage_hash(first, "folm-warmstart")
     capsys.readouterr()
 
-    from training.cli import main
+    from service.command import main
 
     assert main(["--bundle", str(bundle), "bundle", "--source", config.source, "--benchmark",
                  str(config.benchmark), "--preset", "tiny"]) == 0

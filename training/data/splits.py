@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.errors import CatalogError
+from service.errors import CatalogError, InputError
 from training.data.wordnet import Synset, descendant_counts, descendants, load_nouns
 
 SPLITS = ("train", "val", "test")
@@ -116,7 +116,7 @@ def load_split(bundle_dir: Path, split: str) -> list[BenchmarkQuery]:
     """Queries with their reference groups: evaluation's, and the ranker's via
     `disjoint_train`."""
     if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        raise InputError(f"split must be one of {SPLITS}, got {split!r}")
     path = bundle_dir / BENCHMARK_DIR / f"{split}.jsonl"
     return [_from_record(json.loads(line)) for line in path.read_text().splitlines() if line]
 
@@ -134,7 +134,7 @@ def disjoint_train(bundle_dir: Path) -> list[BenchmarkQuery]:
 def query_texts(bundle_dir: Path, split: str = "train") -> list[str]:
     """The only view of the benchmark that training code may take: the query texts."""
     if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        raise InputError(f"split must be one of {SPLITS}, got {split!r}")
     path = bundle_dir / BENCHMARK_DIR / f"{split}.jsonl"
     return [json.loads(line)["query"] for line in path.read_text().splitlines() if line]
 

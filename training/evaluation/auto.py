@@ -21,7 +21,7 @@ from service.runtime.encoder import Encoder
 from service.scheduling.trigger import FanoutTrigger
 from service.settings import Settings
 from training.evaluation.baselines import Method, ServedPath, path_method
-from training.evaluation.diffusion import open_sampler
+from training.evaluation.diffusion_method import open_sampler
 from training.evaluation.fanout import policy_path
 
 

@@ -25,7 +25,7 @@ from training.data.query_sets import load_queries
 from training.data.splits import BenchmarkQuery
 from training.evaluation.auto import ar_led, auto, auto_ar, diffusion_led
 from training.evaluation.baselines import BASELINES, Method, MethodOutput
-from training.evaluation.diffusion import diffusion
+from training.evaluation.diffusion_method import diffusion
 from training.evaluation.fanout import FANOUT_METHODS
 from training.evaluation.llm import LLM_METHODS
 from training.evaluation.metrics import (

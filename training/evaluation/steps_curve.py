@@ -15,7 +15,7 @@ from service.paths.diffusion import SOLVER_NAMES, DiffusionContext, repeat_draws
 from service.runtime.encoder import Encoder
 from service.runtime.sampler import DiffusionSampler, read_config
 from training.data.splits import load_split
-from training.evaluation.diffusion import open_sampler
+from training.evaluation.diffusion_method import open_sampler
 from training.evaluation.harness import evaluate
 
 STEPS_CURVE = (1, 2, 4, 8, 16, 32, 64, 256)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from service.artifacts.bundle import config_hash, git_commit, read_manifest, stage
-from service.fanout.candidates import DEFAULT_SOURCE
+from service.fanout.candidates import UNRECORDED_SOURCE
 from service.fanout.decoding import FOLM_CONFIG, MODEL_FILE, TOKENIZER_FILE
 from training.commands import subcommand_group
 
@@ -138,7 +138,7 @@ def folm_config(model: Any, tokenizer: Any, meta: dict[str, Any]) -> dict[str, A
         "max_new_tokens": int(policy.get("max_new_tokens", 48)),
         "k": int(policy.get("k", 10)),
         "context": int(policy.get("context", 0)),  # catalog names in the prompt
-        "candidates": str(policy.get("candidates", DEFAULT_SOURCE)),  # and their source
+        "candidates": str(policy.get("candidates", UNRECORDED_SOURCE)),  # and their source
         "preset": policy.get("preset", "custom"),
         # the temperature the policy was optimised at: serve and evaluate by sampling at it
         "temperature": float(meta.get("config", {}).get("temperature", 1.0)),

@@ -27,7 +27,7 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.errors import InputError
-from service.fanout.candidates import DEFAULT_SOURCE, Candidates
+from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.format import ParsedFanout, PromptBuilder, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.fanout.reward import PAPER_WEIGHTS, RewardTerms, score_probes
@@ -148,7 +148,7 @@ class FanoutScorer:
     def prompts(self, queries: list[str], policy: dict[str, Any]) -> list[str]:
         """The prompts of a policy (its folm.json / config `policy`): each query's `context`
         first catalog names of its `candidates` source."""
-        key = (int(policy.get("context", 0)), str(policy.get("candidates", DEFAULT_SOURCE)))
+        key = (int(policy.get("context", 0)), str(policy.get("candidates", UNRECORDED_SOURCE)))
         if key not in self._builders:
             self._builders[key] = PromptBuilder(Candidates.of(self.bundle, key[1]),
                                                 self.bundle.items.texts, key[0])

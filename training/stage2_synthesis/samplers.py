@@ -1,5 +1,5 @@
 """Stage 2's teacher clients: where a run's samples come from. Each backend answers one
-prompt with n sampled fan-outs and the tokens they cost; `open_sampler`
+prompt with n sampled fan-outs and the tokens they cost; `open_teacher_sampler`
 (`training.stage2_synthesis.synthesis`) picks one per run."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Protocol
 from service.fanout.trie import NAME_SCOPES, NameConstraint
 
 
-class Sampler(Protocol):
+class TeacherSampler(Protocol):
     """What every backend answers: (n sampled texts, tokens generated) for one prompt."""
 
     def sample(self, prompt: str, n: int, temperature: float, max_new_tokens: int,

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import config_hash, git_commit, load_bundle, read_manifest, stage
 from service.errors import BundleError, InputError
-from service.fanout.candidates import DEFAULT_SOURCE, Candidates
+from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.decoding import lines_regex
 from service.fanout.format import PROMPT_RECIPE, PromptBuilder, item_names
 from service.fanout.trie import DECODINGS, NAME_SCOPES
@@ -53,7 +53,7 @@ from training.stage2_synthesis.resolution import ResolutionCache, resolve_sample
 from training.stage2_synthesis.samplers import (
     HttpSampler,
     OnnxSampler,
-    Sampler,
+    TeacherSampler,
     TorchSampler,
     chosen_backend,
 )
@@ -198,9 +198,9 @@ def save_shard(path: Path, arrays: dict[str, list], lines: list[str], k: int, di
 
 
 @contextmanager
-def open_sampler(
+def open_teacher_sampler(
     config: SynthesisConfig, checkpoint: Path, run_dir: Path, names: list[str] | None = None
-) -> Iterator[Sampler]:
+) -> Iterator[TeacherSampler]:
     """The sampling backend for one run; `names` (every catalog name) serve the "catalog"
     decoding. `vllm` holds a vLLM server on the checkpoint until the block ends."""
     backend = chosen_backend(config.backend, config.decoding)
@@ -217,7 +217,7 @@ def open_sampler(
         yield TorchSampler(checkpoint, config.k, config.decoding, names, device_of().torch)
     elif backend == "http":
         if not config.endpoint:
-            raise ValueError("the http backend needs --endpoint (e.g. http://127.0.0.1:8000)")
+            raise InputError("the http backend needs --endpoint (e.g. http://127.0.0.1:8000)")
         yield HttpSampler(config.endpoint, config.model)
     else:
         if importlib.util.find_spec("vllm") is None:
@@ -258,7 +258,7 @@ def synthesize(
                for i in range(len(queries))]  # extra queries come after the train split's
     policy = policy_meta(checkpoint).get("policy", {})
     context = int(policy.get("context", 0))  # catalog names in each prompt, as trained
-    source = str(policy.get("candidates", DEFAULT_SOURCE))  # and where they come from
+    source = str(policy.get("candidates", UNRECORDED_SOURCE))  # and where they come from
     check_decoding(config.decoding, context)
     record = {"stage": "synthesis", "config": asdict(config), "checkpoint": str(checkpoint),
               "n_queries": len(queries), "context": context, "candidates": source,
@@ -279,7 +279,7 @@ def synthesize(
     shards = [list(range(s, min(s + config.shard_queries, len(queries))))
               for s in range(0, len(queries), config.shard_queries)]
     if not all(_shard_path(run_dir, n).is_file() for n in range(len(shards))):
-        with open_sampler(config, checkpoint, run_dir, catalog) as sampler:
+        with open_teacher_sampler(config, checkpoint, run_dir, catalog) as sampler:
             _sample_shards(run_dir, config, {**ctx, "sampler": sampler}, shards)
     wall = time.perf_counter() - started
     ledger = _load_ledger(run_dir)
@@ -343,8 +343,8 @@ def _check_resume(run_dir: Path, record: dict[str, Any]) -> None:
         keys = ("config", "checkpoint", "n_queries", "context", "candidates")
         same = {k: old.get(k) for k in keys}
         if same != {k: record[k] for k in same}:
-            raise ValueError(f"{run_dir} holds a synthesis run with another config; "
-                             "choose another --run-dir or delete it")
+            raise BundleError(f"{run_dir} holds a synthesis run with another config; "
+                              "choose another --run-dir or delete it")
         return
     path.write_text(json.dumps(record, indent=2) + "\n")
 

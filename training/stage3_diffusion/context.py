@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from service.errors import BundleError
-from service.fanout.candidates import DEFAULT_SOURCE, Candidates
+from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.ranker import RankedNeighbourhood
 from service.runtime.index import neighbour_rows
@@ -58,7 +58,7 @@ def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, 
     return Neighbourhood(rows[inverse.reshape(-1)], embeddings)  # rows (N, C)
 
 
-def prompt_context(dataset_dir: Path, n: int, source: str) -> None:
+def check_prompt_context(dataset_dir: Path, n: int, source: str) -> None:
     """Refuse a prompt-sourced context of n items of `source` when the stage-2 run's prompts
     named another number or source (its config.json `context`, `candidates`): the student would
     not see what its teacher saw."""
@@ -69,7 +69,7 @@ def prompt_context(dataset_dir: Path, n: int, source: str) -> None:
         raise BundleError(f"the teacher's prompts named {named} items ({path}) but the "
                           f"denoiser's context is {n}: they must match for "
                           "context_source='prompt'")
-    teacher = record.get("candidates", DEFAULT_SOURCE) if record else source
+    teacher = record.get("candidates", UNRECORDED_SOURCE) if record else source
     if teacher != source:
         raise BundleError(f"the teacher's prompt names came from {teacher!r} candidates ({path}) "
                           f"but the denoiser's from {source!r}: they must match for "
@@ -90,7 +90,7 @@ def bundle_context(bundle_dir: Path, data: BlockDataset, model: DenoiserConfig,
     if model.context_source == "ranked":
         prompt = RankedNeighbourhood(bundle, n)
     elif model.context_source == "prompt":
-        prompt_context(dataset_dir, n, model.candidates)
+        check_prompt_context(dataset_dir, n, model.candidates)
         prompt = PromptNeighbourhood(Candidates.of(bundle, model.candidates),
                                      bundle.items.texts, bundle.items.embeddings, n)
     return block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt)

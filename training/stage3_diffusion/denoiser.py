@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from service.fanout.candidates import CANDIDATE_SOURCES, DEFAULT_SOURCE
+from service.errors import BundleError, InputError
+from service.fanout.candidates import CANDIDATE_SOURCES, UNRECORDED_SOURCE
 from service.fanout.format import PROMPT_RECIPE
 from service.paths.diffusion import CONTEXT_SOURCES
 
@@ -59,19 +60,19 @@ class DenoiserConfig:
     # (service.fanout.ranker.RankedNeighbourhood), for a student distilled from the ranker
     context_source: str = "nearest"
     # where the prompt's names come from (service.fanout.candidates), as the teacher's were
-    candidates: str = DEFAULT_SOURCE
+    candidates: str = UNRECORDED_SOURCE
 
     def __post_init__(self) -> None:
         if self.context_source not in CONTEXT_SOURCES:
-            raise ValueError(f"context_source must be one of {CONTEXT_SOURCES}, "
+            raise InputError(f"context_source must be one of {CONTEXT_SOURCES}, "
                              f"got {self.context_source!r}")
         if self.candidates not in CANDIDATE_SOURCES:
-            raise ValueError(f"candidates must be one of {CANDIDATE_SOURCES}, "
+            raise InputError(f"candidates must be one of {CANDIDATE_SOURCES}, "
                              f"got {self.candidates!r}")
         if self.hidden % self.heads:
-            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
+            raise InputError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
         if self.rows < self.k:
-            raise ValueError(f"rows L={self.rows} must be at least k={self.k}")
+            raise InputError(f"rows L={self.rows} must be at least k={self.k}")
 
     def to_dict(self) -> dict[str, Any]:
         """As a dict; the default context source is left out, so configs (and the hashes a
@@ -79,7 +80,7 @@ class DenoiserConfig:
         config = asdict(self)
         if config["context_source"] == "nearest":
             del config["context_source"]
-        if config["candidates"] == DEFAULT_SOURCE:
+        if config["candidates"] == UNRECORDED_SOURCE:
             del config["candidates"]
         return config
 
@@ -91,8 +92,8 @@ class DenoiserConfig:
         for name, kept in REMOVED_OPTIONS.items():
             value = config.pop(name, kept)
             if value != kept:
-                raise ValueError(f"{name}={value!r} is no longer supported (only {kept!r}): "
-                                 "retrain the denoiser")
+                raise BundleError(f"{name}={value!r} is no longer supported (only {kept!r}): "
+                                  "retrain the denoiser")
         return cls(**config)
 
 
@@ -111,7 +112,7 @@ PRESETS: dict[str, DenoiserConfig] = {
 
 def preset(name: str, **overrides: Any) -> DenoiserConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown denoiser preset {name!r}; available: {sorted(PRESETS)}")
+        raise InputError(f"unknown denoiser preset {name!r}; available: {sorted(PRESETS)}")
     return replace(PRESETS[name], **overrides)
 
 

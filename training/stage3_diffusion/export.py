@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from service.artifacts.bundle import config_hash, read_manifest, stage
-from service.errors import BundleError
+from service.errors import BundleError, InputError
 from service.runtime.sampler import CONTEXT_INPUT
 from training.stage3_diffusion.denoiser import (
     PRESETS,
@@ -62,7 +62,7 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         if self.draws < 1:
-            raise ValueError(f"draws must be at least 1, got {self.draws}")
+            raise InputError(f"draws must be at least 1, got {self.draws}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,6 +13,7 @@ from itertools import pairwise
 
 import torch
 
+from service.errors import InputError
 from service.paths.diffusion import SOLVER_NAMES
 from training.stage3_diffusion.denoiser import Denoiser
 
@@ -22,7 +23,7 @@ RHO = 7.0
 def sigma_schedule(steps: int, sigma_min: float, sigma_max: float, rho: float = RHO) -> list[float]:
     """N noise levels from σ_max down to σ_min on the EDM grid, then a final 0 (N + 1 values)."""
     if steps < 1:
-        raise ValueError("steps must be at least 1")
+        raise InputError("steps must be at least 1")
     if steps == 1:
         return [sigma_max, 0.0]
     lo, hi = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
@@ -35,7 +36,7 @@ def solver_evaluations(solver: str, steps: int) -> int:
         return steps
     if solver == "heun":
         return 2 * steps - 1
-    raise ValueError(f"unknown solver {solver!r}; use one of {SOLVER_NAMES}")
+    raise InputError(f"unknown solver {solver!r}; use one of {SOLVER_NAMES}")
 
 
 def initial_noise(shape: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
@@ -102,5 +103,5 @@ def sample(denoiser: Denoiser, query: torch.Tensor, solver: str, steps: int,
            context: torch.Tensor | None = None) -> torch.Tensor:
     """Rows (B, L, d) from the solver named `solver` (one of SOLVER_NAMES)."""
     if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; available: {sorted(SOLVERS)}")
+        raise InputError(f"unknown solver {solver!r}; available: {sorted(SOLVERS)}")
     return SOLVERS[solver](denoiser, query, steps, cfg_weight, generator, noise, context)

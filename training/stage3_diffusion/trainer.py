@@ -68,7 +68,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
 
 def train_preset(name: str, **overrides: Any) -> TrainConfig:
     if name not in TRAIN_PRESETS:
-        raise ValueError(f"unknown training preset {name!r}; available: {sorted(TRAIN_PRESETS)}")
+        raise InputError(f"unknown training preset {name!r}; available: {sorted(TRAIN_PRESETS)}")
     return replace(TRAIN_PRESETS[name], **overrides)
 
 
@@ -154,11 +154,11 @@ def load_state(config: TrainConfig, path: Path, device: str = "cpu") -> TrainSta
     device (its random stream cannot continue there)."""
     payload = torch.load(path, map_location=device, weights_only=False)
     if stored_config_hash(payload["config"]) != config_hash(config.to_dict()):
-        raise ValueError(f"{path} was trained with another config; pass --fresh to restart")
+        raise BundleError(f"{path} was trained with another config; pass --fresh to restart")
     written = payload.get("device", "cpu")
     if written != torch.device(device).type:
-        raise ValueError(f"{path} was trained on {written}, this run is on {device}; pass "
-                         "--fresh to restart, or --device " + written)
+        raise BundleError(f"{path} was trained on {written}, this run is on {device}; pass "
+                          "--fresh to restart, or --device " + written)
     state = new_state(config, device)
     state.model.load_state_dict(payload["model"])
     state.ema.load_state_dict(payload["ema"])
@@ -323,11 +323,8 @@ def cmd_train_diffusion(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     config = train_preset(args.preset, **given(args, "steps", "batch", "lr", "seed"))
     model = given(args, "context_source", "layers", "hidden", "mlp", "heads")
-    if model:
-        try:
-            config = replace(config, model=replace(config.model, **model))
-        except ValueError as exc:
-            raise InputError(str(exc)) from exc
+    if model:  # DenoiserConfig refuses a bad value with an InputError
+        config = replace(config, model=replace(config.model, **model))
     run_dir = args.run_dir or args.bundle / "runs" / RUN_NAME
     device = device_of(args.device)
     summary = train_on_bundle(args.bundle, config, args.dataset, run_dir, fresh=args.fresh,

@@ -160,7 +160,7 @@ def test_under_a_filter_the_groundedness_gate_does_not_send_diffusion_to_ar(sett
 
 
 def test_the_engine_is_loaded_from_the_catalog_command_only():
-    from training.cli import build_parser
+    from service.command import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["catalog", "--index", "milvus://h:1/c"]).index == "milvus://h:1/c"

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
+from service.command import main
 from service.errors import BundleError
 from service.runtime.encoder import Encoder
 from tests.prerequisites import needs
-from training.cli import main
 from training.data.encoder import encoder_source, export_encoder
 from training.pipeline import CatalogConfig, build_catalog
 

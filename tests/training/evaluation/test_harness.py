@@ -112,7 +112,7 @@ def test_fanout_pools_hold_as_many_distinct_items_as_single(small_bundle_dir, mo
 
 
 def test_counts_on_the_command_line_must_be_positive(capsys):
-    from training.cli import build_parser
+    from service.command import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["eval", "--seeds", "4"]).seeds == 4

@@ -232,7 +232,7 @@ def test_reward_ablation_runs_each_reward_on_free_lines_and_reports(
 ) -> None:
     import shutil
 
-    from training.cli import main
+    from service.command import main
 
     bundle = tmp_path / "bundle"
     shutil.copytree(setup[0], bundle)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
+from service.errors import BundleError
 from service.fanout.format import format_fanout
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
@@ -102,7 +103,7 @@ def test_local_backend_dataset_and_resume(setup: tuple[Path, Path], tmp_path: Pa
     assert (run / "policy-onnx" / "model.onnx").is_file()  # sampled by ONNX Runtime
     synthesize(bundle, TINY, policy, run)  # every shard is done: nothing is sampled again
     assert json.loads((run / "ledger.json").read_text()) == ledger
-    with pytest.raises(ValueError, match="another config"):
+    with pytest.raises(BundleError, match="another config"):
         synthesize(bundle, replace(TINY, temperature=0.5), policy, run)
 
 
@@ -156,7 +157,7 @@ def test_extra_catalog_queries_get_their_own_sample_count(
                                    ["--samples", "0"], ["--temperature", "-0.5"]])
 def test_bad_synthesis_flags_are_a_clear_error(flags: list[str], capsys: pytest.CaptureFixture,
                                                tmp_path: Path) -> None:
-    from training.cli import main
+    from service.command import main
 
     assert main(["--bundle", str(tmp_path), "synthesize", *flags]) == 2
     assert "r4t: error: synthesis:" in capsys.readouterr().err

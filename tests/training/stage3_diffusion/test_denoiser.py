@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from service.errors import BundleError, InputError
 from service.fanout.candidates import Candidates
 from tests.training.stage3_diffusion.proxy_dataset import synthetic_blocks, synthetic_neighbourhood
 from training.stage3_diffusion.denoiser import (
@@ -120,18 +121,17 @@ def test_a_prompt_context_is_the_items_each_querys_prompt_names():
 
 
 def test_a_prompt_context_must_name_as_many_items_as_the_teachers_prompts(tmp_path):
-    from service.errors import BundleError
-    from training.stage3_diffusion.context import prompt_context
+    from training.stage3_diffusion.context import check_prompt_context
 
-    prompt_context(tmp_path, 16, "hybrid")  # no record: nothing to check
+    check_prompt_context(tmp_path, 16, "hybrid")  # no record: nothing to check
     (tmp_path / "config.json").write_text('{"stage": "synthesis", "context": 16}')
-    prompt_context(tmp_path, 16, "dense")  # a record without a source named dense candidates
+    check_prompt_context(tmp_path, 16, "dense")  # a record without a source named dense candidates
     with pytest.raises(BundleError, match="named 16 items"):
-        prompt_context(tmp_path, 8, "dense")
+        check_prompt_context(tmp_path, 8, "dense")
     with pytest.raises(BundleError, match="'dense' candidates"):
-        prompt_context(tmp_path, 16, "hybrid")
+        check_prompt_context(tmp_path, 16, "hybrid")
     (tmp_path / "config.json").write_text('{"context": 16, "candidates": "hybrid"}')
-    prompt_context(tmp_path, 16, "hybrid")
+    check_prompt_context(tmp_path, 16, "hybrid")
 
 
 def test_new_options_keep_old_configs_and_their_hashes():
@@ -140,12 +140,12 @@ def test_new_options_keep_old_configs_and_their_hashes():
     assert DenoiserConfig.from_dict(config.to_dict()) == config
     prompt = preset("cpu", context_source="prompt")
     assert DenoiserConfig.from_dict(prompt.to_dict()) == prompt
-    with pytest.raises(ValueError, match="context_source"):
+    with pytest.raises(InputError, match="context_source"):
         preset("cpu", context_source="random")
     dense = preset("cpu", candidates="dense")
     assert "candidates" not in dense.to_dict()
     assert DenoiserConfig.from_dict(preset("cpu").to_dict()).candidates == "hybrid"
-    with pytest.raises(ValueError, match="candidates"):
+    with pytest.raises(InputError, match="candidates"):
         preset("cpu", candidates="nearest")
 
 
@@ -156,7 +156,7 @@ def test_configs_naming_removed_options_load_at_their_surviving_value():
     assert DenoiserConfig.from_dict(old["model"]) == train_config.model
     assert stored_config_hash(old) == stored_config_hash(train_config.to_dict())
     for removed in ({"conditioning": "token"}, {"head": "context"}):
-        with pytest.raises(ValueError, match="no longer supported"):
+        with pytest.raises(BundleError, match="no longer supported"):
             DenoiserConfig.from_dict(train_config.model.to_dict() | removed)
 
 
@@ -255,7 +255,7 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path):
     b = load_ema(tmp_path / "b" / CHECKPOINT)[0].state_dict()
     assert all(torch.equal(a[name], b[name]) for name in a)
     assert (tmp_path / "b" / "loss_curve.png").stat().st_size > 0
-    with pytest.raises(ValueError, match="another config"):
+    with pytest.raises(BundleError, match="another config"):
         train(data, train_preset("tiny", steps=20, lr=0.5), tmp_path / "a", progress=False)
 
 
@@ -267,14 +267,14 @@ def test_a_checkpoint_resumes_only_on_the_device_it_was_trained_on(tmp_path):
     payload = torch.load(tmp_path / CHECKPOINT, weights_only=False)
     assert payload["device"] == "cpu"
     torch.save({**payload, "device": "cuda"}, tmp_path / CHECKPOINT)
-    with pytest.raises(ValueError, match="trained on cuda, this run is on cpu"):
+    with pytest.raises(BundleError, match="trained on cuda, this run is on cpu"):
         train(data, config, tmp_path, progress=False)
 
 
 def test_train_diffusion_size_options_reach_the_model_and_bad_sizes_are_usage_errors(
     monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from training import cli
+    from service import command as cli
     from training.stage3_diffusion import trainer
 
     seen = []
@@ -286,5 +286,5 @@ def test_train_diffusion_size_options_reach_the_model_and_bad_sizes_are_usage_er
     assert seen[0].model == preset("cpu", layers=2, hidden=64, mlp=256, heads=2)
     assert cli.main([*argv[:4], "--hidden", "128", "--heads", "3"]) == 2
     assert "hidden=128 must be divisible by heads=3" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="rows L=8 must be at least k=10"):
+    with pytest.raises(InputError, match="rows L=8 must be at least k=10"):
         preset("cpu", rows=8)

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
+from service.errors import InputError
 from service.fanout.candidates import Candidates
 from service.paths.diffusion import draw_rows
 from service.paths.resolution import first_distinct_rows
 from service.runtime.encoder import Encoder
 from tests.training.stage3_diffusion.proxy_dataset import tiny_checkpoint
 from training.evaluation.auto import auto
-from training.evaluation.diffusion import diffusion
+from training.evaluation.diffusion_method import diffusion
 from training.evaluation.harness import METHODS, evaluate, gaps, write_report
 from training.evaluation.steps_curve import steps_curve
 from training.evaluation.trigger_curve import trigger_curve
@@ -132,7 +133,7 @@ def test_draws_sample_the_batch_again_and_replace_repeated_items(bundle, tmp_pat
         offered = set(np.argmax(rows[2 * q + 1] @ context[2 * q].T, axis=1).tolist())
         assert len(set(picked[q].tolist())) == min(10, len(set(first[q].tolist()) | offered))
         assert set(first[q].tolist()) <= set(picked[q].tolist())  # draw 1's items all kept
-    with pytest.raises(ValueError, match="draws"):
+    with pytest.raises(InputError, match="draws"):
         ExportConfig(draws=0)
 
 
@@ -203,7 +204,6 @@ def test_the_index_curve_measures_each_choice_against_exact(bundle, monkeypatch)
 
 
 def test_seeds_average_a_sampling_method_over_its_seeds(bundle):
-    from service.errors import InputError
     from training.evaluation.harness import evaluate
 
     one = [evaluate(bundle, "diffusion", "test", seeds=1, seed=s)["metrics"] for s in (0, 1)]
