@@ -18,7 +18,7 @@ from typing import Any
 from loadtest.openloop import Load, scenario_body, summarize
 from loadtest.report import publish
 from loadtest.run import HOST, check_bundle, start_server, stop_server, wait_ready
-from service.arguments import positive_float
+from service.arguments import fraction, positive_float
 from service.settings import DEFAULT_BUNDLE, Settings
 
 RAMP_START_RPS, RAMP_STEP, RAMP_SECONDS = 60.0, 1.5, 8.0
@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--factor", type=positive_float, default=4.0, help="overload, x capacity")
     parser.add_argument("--seconds", type=positive_float, default=30.0, help="per phase")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results/overload"))
-    parser.add_argument("--stall-rate", type=float, default=0.01,
+    parser.add_argument("--stall-rate", type=fraction, default=0.01,
                         help="share of batches that stall in the second overload (0: none)")
     parser.add_argument("--stall-s", type=positive_float, default=2.0, help="a stall's length")
     args = parser.parse_args()

@@ -27,8 +27,10 @@ class Stall:
         self.armed = False
 
     def __call__(self) -> None:
+        if not self.armed or self.rate <= 0:  # production: no lock taken per batch
+            return
         with self._lock:
-            stall = self.armed and self.rate > 0 and self._random.random() < self.rate
+            stall = self._random.random() < self.rate
         if stall:
             time.sleep(self.seconds)
 

@@ -14,6 +14,8 @@ import pytest
     ["loadtest.chaos", "--bundle", "no/such/bundle"],
     ["loadtest.soak", "--minutes", "0"],
     ["loadtest.overload", "--factor", "-1"],
+    ["loadtest.overload", "--stall-rate", "1.5"],
+    ["loadtest.overload", "--stall-s", "0"],
     ["loadtest.chaos", "--cases", "reload,nope"],
     ["loadtest.wrk", "--bundle", "no/such/bundle"],
     ["loadtest.wrk", "--connections", "0"],
