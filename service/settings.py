@@ -13,7 +13,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.limits import MAX_BATCH_QUERIES, MAX_K, MAX_QUERY_CHARS
-from service.scheduling.routing import ROUTE_ORDER
+from service.routes import ROUTE_ORDER
 
 FALLBACK_ROUTES = "diffusion=0.9,ar=0.1"  # a bundle that measured none (no `routes` stage)
 DEFAULT_BUNDLE = Path("models/default")  # every command's --bundle default, and R4T_BUNDLE's

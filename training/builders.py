@@ -111,7 +111,7 @@ def _build_synthesis(build: StageBuild, manifest: dict[str, Any]) -> dict[str, A
     from training.stage1_fanout.export import FOLDERS
     from training.stage1_fanout.grpo import run_dir_for
     from training.stage1_fanout.warmstart import FINAL
-    from training.stage2_synthesis.samplers import chosen_backend
+    from training.stage2_synthesis.backends import chosen_backend
     from training.stage2_synthesis.synthesis import (
         POLICY_ONNX,
         SYNTHESIS_RUN,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from service.arguments import positive
-from service.paths.diffusion import CONTEXT_SOURCES, SOLVER_NAMES
+from service.routes.diffusion import CONTEXT_SOURCES, SOLVER_NAMES
 from training.device import DEVICES
 
 

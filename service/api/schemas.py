@@ -17,7 +17,7 @@ from service.limits import (
     MAX_QUERY_CHARS,
     MAX_USER_ID_CHARS,
 )
-from service.scheduling.routing import ROUTE_ORDER
+from service.routes import ROUTE_ORDER
 from service.scheduling.trigger import FanoutMode
 
 ServedRoute = Literal[ROUTE_ORDER]  # the names of service.scheduling.routing, best first

@@ -140,14 +140,17 @@ class LlamaCppFanoutBackend:
             llama_cpp.llama_sampler_free(parsed)
         return self._grammar.from_string(text, verbose=False)
 
-    def generate(self, prompts: list[str], deadline: float | None = None
-                 ) -> list[Generation]:
+    def generate(self, prompts: list[str], deadline: float | None = None, n: int = 1,
+                 seed: int | None = None) -> list[Generation]:
         """Past `deadline`, DeadlineError: checked between tokens (a stopping criterion),
-        lines and prompts, so the worker is free again soon after the batch's caller left."""
+        lines and prompts, so the worker is free again soon after the batch's caller left.
+        The j-th of a prompt's n completions is sampled with seed + j."""
+        first = self.config.seed if seed is None else seed
         with self._lock:
             if self._closed:
                 raise UnavailableError("the llama.cpp backend is closed (reload or shutdown)")
-            return [self._one(prompt, deadline) for prompt in prompts]
+            return [self._one(prompt, deadline, first + j) for prompt in prompts
+                    for j in range(n)]
 
     def _head(self, query: str, names: list[str]) -> str:
         """The text the answer continues: the chat rendered by the GGUF's template, or the
@@ -157,17 +160,17 @@ class LlamaCppFanoutBackend:
         chat = instruction.messages(self.config.mode, query, names, self.config.k)
         return self._chat(messages=chat).prompt
 
-    def _one(self, prompt: str, deadline: float | None) -> Generation:
+    def _one(self, prompt: str, deadline: float | None, seed: int) -> Generation:
         c = self.config
         names = prompt_context(prompt) if c.mode == "names" else []
         head = self._head(prompt_query(prompt), names)
         if c.mode == "names" and names:
-            return self._distinct_names(head, names, deadline)
-        out = self._complete(head, self._free, c.max_new_tokens, deadline)
+            return self._distinct_names(head, names, deadline, seed)
+        out = self._complete(head, self._free, c.max_new_tokens, deadline, seed)
         return Generation(out["choices"][0]["text"], _tokens(out))
 
-    def _distinct_names(self, head: str, names: list[str], deadline: float | None
-                        ) -> Generation:
+    def _distinct_names(self, head: str, names: list[str], deadline: float | None,
+                        seed: int) -> Generation:
         """k lines, each one of the names not yet written: one completion per line, the
         previous lines in its prompt (llama.cpp reuses the cached prefix), so the model
         chooses k distinct names and cannot loop on one."""
@@ -177,7 +180,7 @@ class LlamaCppFanoutBackend:
         while len(lines) < self.config.k and left and budget > 0:
             prefix = head + "".join(f"{line}\n" for line in lines)
             grammar = self._compile("names", left, 1, check=not lines)  # the first: all names
-            out = self._complete(prefix, grammar, budget, deadline)
+            out = self._complete(prefix, grammar, budget, deadline, seed)
             budget -= _tokens(out)
             line = out["choices"][0]["text"].strip()
             if line not in left:  # cut by the budget
@@ -187,12 +190,12 @@ class LlamaCppFanoutBackend:
         spent = self.config.max_new_tokens - budget
         return Generation("\n".join(lines), spent)
 
-    def _complete(self, text: str, grammar: Any, max_tokens: int, deadline: float | None
-                  ) -> dict[str, Any]:
+    def _complete(self, text: str, grammar: Any, max_tokens: int, deadline: float | None,
+                  seed: int) -> dict[str, Any]:
         c = self.config
         check(deadline, "llama.cpp decoding")
         out = self.llm.create_completion(text, grammar=grammar, temperature=c.temperature,
-                                         max_tokens=max_tokens, seed=c.seed,
+                                         max_tokens=max_tokens, seed=seed,
                                          repeat_penalty=c.repeat_penalty,
                                          stopping_criteria=self._until(deadline))
         check(deadline, "llama.cpp decoding")  # the criterion cut it short: no answer

@@ -35,12 +35,12 @@ class OnnxFanoutBackend:
         self.names = NameConstraint(decoder.tokenizer, int(decoder.config["eos_id"]), decoding,
                                     catalog_names) if decoding in NAME_SCOPES else None
 
-    def generate(self, prompts: list[str], deadline: float | None = None
-                 ) -> list[Generation]:
+    def generate(self, prompts: list[str], deadline: float | None = None, n: int = 1,
+                 seed: int | None = None) -> list[Generation]:
         return self.decoder.generate(
-            prompts, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-            seed=self.seed, enforce_lines=self.decoding != "free", names=self.names,
-            deadline=deadline,
+            [prompt for prompt in prompts for _ in range(n)], temperature=self.temperature,
+            max_new_tokens=self.max_new_tokens, seed=self.seed if seed is None else seed,
+            enforce_lines=self.decoding != "free", names=self.names, deadline=deadline,
         )
 
     def describe(self) -> dict[str, Any]:

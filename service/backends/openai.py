@@ -36,6 +36,8 @@ class OpenAIConfig:
     max_connections: int = 8
     temperature: float = 0.0
     max_tokens: int = MAX_NEW_TOKENS
+    seed: int | None = None
+    regex: str | None = None  # vLLM's structured outputs: every completion matches it
 
 
 class OpenAICompletionBackend:
@@ -66,17 +68,22 @@ class OpenAICompletionBackend:
             "timeout_s": c.timeout_s, "retries": c.retries,
         }
 
-    def generate(self, prompts: list[str], deadline: float | None = None
-                 ) -> list[Generation]:
-        body = {
-            "model": self.config.model,
-            "prompt": list(prompts),
-            "max_tokens": self.config.max_tokens,
-            "temperature": self.config.temperature,
-            "n": 1,
-        }
+    def generate(self, prompts: list[str], deadline: float | None = None, n: int = 1,
+                 seed: int | None = None) -> list[Generation]:
+        """Each completion's tokens: the call's `usage` spread evenly (the API reports only
+        the total)."""
+        c = self.config
+        body: dict[str, Any] = {"model": c.model, "prompt": list(prompts), "n": n,
+                                "max_tokens": c.max_tokens, "temperature": c.temperature}
+        chosen = c.seed if seed is None else seed
+        if chosen is not None:
+            body["seed"] = chosen
+        if c.regex:
+            body["structured_outputs"] = {"regex": c.regex}
         payload = self._post("/completions", body, deadline)
-        return [Generation(text, 0) for text in self._texts(payload, len(prompts))]
+        texts = self._texts(payload, len(prompts) * n)
+        shares = _shares(_completion_tokens(payload), len(texts))
+        return [Generation(text, tokens) for text, tokens in zip(texts, shares, strict=True)]
 
     def close(self) -> None:
         self._client.close()
@@ -130,6 +137,17 @@ class OpenAICompletionBackend:
             if isinstance(index, int) and 0 <= index < n and isinstance(text, str):
                 texts[index] = text
         return texts
+
+
+def _completion_tokens(payload: dict[str, Any]) -> int:
+    usage = payload.get("usage")
+    tokens = usage.get("completion_tokens", 0) if isinstance(usage, dict) else 0
+    return tokens if isinstance(tokens, int) and tokens > 0 else 0
+
+
+def _shares(total: int, n: int) -> list[int]:
+    """`total` split over n parts as evenly as integers allow."""
+    return [total // n + (i < total % n) for i in range(n)] if n else []
 
 
 def _retry_after(response: httpx.Response) -> float:

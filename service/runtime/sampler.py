@@ -2,12 +2,12 @@
 
 `diffusion/sampler.onnx` maps query embeddings (B, d) and standard-normal noise (B, L, d) to
 L generated unit rows per query in one `session.run`; resolving rows to catalog items is
-`service.paths.resolution.resolve_in_context` (`resolve_items` for a model without context).
+`service.routes.resolution.resolve_in_context` (`resolve_items` for a model without context).
 A model with a context (`context` = C in diffusion.json) also takes the embeddings of C
 catalog items per query (B, C, d), best first:
 its nearest, or those its fan-out prompt names (`context_source`), as
-`service.paths.diffusion.DiffusionContext` looks them up. Several draws per query (`draws`)
-are the caller's: `service.paths.diffusion.draw_rows`. ONNX Runtime's CUDA provider is used
+`service.routes.diffusion.DiffusionContext` looks them up. Several draws per query (`draws`)
+are the caller's: `service.routes.diffusion.draw_rows`. ONNX Runtime's CUDA provider is used
 when available. `diffusion/step.onnx` (one denoiser evaluation) is not run here: samplers
 with other schedules are composed from it (`training.stage3_diffusion.export.compose_sampler`).
 """
@@ -69,7 +69,7 @@ class DiffusionSampler:
         if context is None or context.shape != expected:
             got = None if context is None else context.shape
             raise ValueError(f"this sampler needs context {expected} (see "
-                             f"service.paths.diffusion.DiffusionContext), got {got}")
+                             f"service.routes.diffusion.DiffusionContext), got {got}")
         return {"query": query, CONTEXT_INPUT: np.ascontiguousarray(context, dtype=np.float32)}
 
     def sample(self, query_emb: np.ndarray, seed: int | None = None,

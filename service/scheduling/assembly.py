@@ -19,17 +19,17 @@ from service.backends.protocol import FanoutBackend
 from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE
 from service.fanout.format import MAX_NEW_TOKENS, item_names
-from service.paths.autoregressive import AutoregressivePath
-from service.paths.diffusion import DiffusionPath, Sampler
-from service.paths.ranked import RankedPath
-from service.paths.single import SinglePath
+from service.routes.autoregressive import AutoregressiveRoute
+from service.routes.diffusion import DiffusionRoute, Sampler
+from service.routes.ranked import RankedRoute
+from service.routes.single import SingleRoute
 from service.runtime.encoder import Encoder
 from service.runtime.faults import FaultySampler
 from service.settings import Settings
 
 SAMPLER_FILE = "diffusion/sampler.onnx"
 
-RetrievalPath = DiffusionPath | AutoregressivePath | SinglePath
+RetrievalRoute = DiffusionRoute | AutoregressiveRoute | SingleRoute
 ComponentFactory = Callable[[Path, list[str] | None, int], Any]
 # An AR backend, its k, and the number and source of the catalog names its prompts carry.
 BackendChoice = tuple[FanoutBackend, int, int, str]
@@ -120,48 +120,48 @@ def _openai_backend(settings: Settings, base_url: str) -> BackendChoice:
             settings.ar_candidates or UNRECORDED_SOURCE)
 
 
-def ar_path(
+def ar_route(
     settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders | None = None,
     folder: str = "folm",
-) -> AutoregressivePath:
+) -> AutoregressiveRoute:
     """The AR route as `settings` configure it, over the fan-out model in `folder`."""
     backend, fanout_k, context, source = _ar_backend(settings, bundle, loaders or Loaders(),
                                                      folder)
-    return AutoregressivePath(bundle, encoder, backend, fanout_k, context, source,
+    return AutoregressiveRoute(bundle, encoder, backend, fanout_k, context, source,
                               settings.fanout_cache_size)
 
 
-def llm_path(settings: Settings, bundle: Bundle, encoder: Encoder,
-             mode: str | None = None) -> AutoregressivePath:
+def llm_route(settings: Settings, bundle: Bundle, encoder: Encoder,
+             mode: str | None = None) -> AutoregressiveRoute:
     """The AR route over the bundle's GGUF policy (llm/), prompted in `mode` (default: its
     llm.json's)."""
     backend, fanout_k, context, source = _llama_backend(settings, bundle, mode)
-    return AutoregressivePath(bundle, encoder, backend, fanout_k, context, source,
+    return AutoregressiveRoute(bundle, encoder, backend, fanout_k, context, source,
                               settings.fanout_cache_size)
 
 
-def load_paths(
+def load_routes(
     settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders
-) -> tuple[dict[str, RetrievalPath], dict[str, str]]:
+) -> tuple[dict[str, RetrievalRoute], dict[str, str]]:
     """Build every path the bundle and settings allow; say why the others are missing. A route
     whose stage the bundle lacks (BundleError) or whose runtime is not installed (ImportError)
     is left out; one whose model is there but does not load (an ONNX Runtime or opset mismatch,
     a corrupt graph) refuses the whole bundle, so a reload never swaps it in quietly."""
-    paths: dict[str, RetrievalPath] = {"single": SinglePath(bundle, encoder)}
+    paths: dict[str, RetrievalRoute] = {"single": SingleRoute(bundle, encoder)}
     problems: dict[str, str] = {}
 
-    def diffusion() -> RetrievalPath:
+    def diffusion() -> RetrievalRoute:
         if not bundle.has(SAMPLER_FILE):
             raise BundleError(f"bundle has no {SAMPLER_FILE}")
         sampler = loaders.sampler(bundle.path / "diffusion", settings.provider_list,
                                   settings.threads)
         if settings.fault_diffusion_rate > 0:
             sampler = FaultySampler(sampler, settings.fault_diffusion_rate, settings.seed)
-        return DiffusionPath(bundle, encoder, sampler, settings.seed)
+        return DiffusionRoute(bundle, encoder, sampler, settings.seed)
 
-    builders: dict[str, Callable[[], RetrievalPath]] = {
-        "diffusion": diffusion, "ranked": lambda: RankedPath(bundle, encoder),
-        "ar": lambda: ar_path(settings, bundle, encoder, loaders)}
+    builders: dict[str, Callable[[], RetrievalRoute]] = {
+        "diffusion": diffusion, "ranked": lambda: RankedRoute(bundle, encoder),
+        "ar": lambda: ar_route(settings, bundle, encoder, loaders)}
     for route, build in builders.items():
         try:
             paths[route] = build()

@@ -30,16 +30,17 @@ from service.errors import (
     UnavailableError,
 )
 from service.metrics import Metrics
-from service.paths.answer import PathAnswer, PathQuery
-from service.paths.autoregressive import AutoregressivePath
-from service.paths.diffusion import DiffusionPath
+from service.routes import ROUTE_ORDER
+from service.routes.answer import RouteAnswer, RouteQuery
+from service.routes.autoregressive import AutoregressiveRoute
+from service.routes.diffusion import DiffusionRoute
 from service.runtime.encoder import Encoder
 from service.runtime.faults import FaultySampler, Stall
 from service.runtime.filters import metadata_fields, where_of
 from service.runtime.index import IndexChoice, set_threads
-from service.scheduling.assembly import Loaders, RetrievalPath, load_paths
+from service.scheduling.assembly import Loaders, RetrievalRoute, load_routes
 from service.scheduling.batching import Batcher, Completed, describe
-from service.scheduling.routing import ROUTE_ORDER, Assignment, Router
+from service.scheduling.routing import Assignment, Router
 from service.scheduling.trigger import Decision, FanoutMode, FanoutTrigger
 from service.settings import Settings
 
@@ -66,7 +67,7 @@ class Retrieval:
 class Served:
     """One answered request: the path's answer and how it was reached."""
 
-    answer: PathAnswer
+    answer: RouteAnswer
     route: str  # the route that answered
     arm: str
     fallback: str | None  # why diffusion did not answer, None when it did or was not asked
@@ -79,12 +80,12 @@ class Retriever:
 
     def __init__(
         self, settings: Settings, metrics: Metrics, bundle: Bundle,
-        paths: dict[str, RetrievalPath], problems: dict[str, str],
+        paths: dict[str, RetrievalRoute], problems: dict[str, str],
     ) -> None:
         self.settings, self.metrics, self.bundle = settings, metrics, bundle
         self.paths, self.problems = paths, problems
         self.filter_fields = metadata_fields(bundle.items.metadata)
-        self.batchers: dict[str, Batcher[PathQuery, PathAnswer]] = {}
+        self.batchers: dict[str, Batcher[RouteQuery, RouteAnswer]] = {}
         self.stall = Stall(settings.fault_stall_rate, settings.fault_stall_s, settings.seed)
         self.recent: deque[str] = deque(maxlen=RECENT_QUERIES)  # replayed by a reload
         recorded = recorded_routes(bundle.path)
@@ -109,7 +110,7 @@ class Retriever:
         bundle = load_bundle(bundle_dir, IndexChoice.parse(settings.index),
                              settings.index_timeout_s)
         encoder = Encoder(bundle.encoder_config, settings.threads, settings.provider_list)
-        paths, problems = load_paths(settings, bundle, encoder, loaders)
+        paths, problems = load_routes(settings, bundle, encoder, loaders)
         if not paths:
             raise BundleError(f"bundle {bundle_dir} can serve no retrieval path: {problems}")
         return cls(settings, metrics, bundle, paths, problems)
@@ -118,7 +119,7 @@ class Retriever:
         """Start one batcher per path (needs the running event loop)."""
         s = self.settings
         for name, path in self.paths.items():
-            batcher: Batcher[PathQuery, PathAnswer] = Batcher(
+            batcher: Batcher[RouteQuery, RouteAnswer] = Batcher(
                 name, self._timed(path), max_batch_size=s.max_batch_size,
                 max_wait_ms=s.max_wait_ms, queue_size=s.queue_size,
                 admit_wait_fraction=s.admit_wait_fraction, nice=s.compute_nice,
@@ -127,14 +128,14 @@ class Retriever:
             batcher.start()
             self.batchers[name] = batcher
 
-    def _timed(self, path: RetrievalPath) -> Callable[[Sequence[PathQuery]], list[PathAnswer]]:
-        def compute(batch: Sequence[PathQuery]) -> list[PathAnswer]:
+    def _timed(self, path: RetrievalRoute) -> Callable[[Sequence[RouteQuery]], list[RouteAnswer]]:
+        def compute(batch: Sequence[RouteQuery]) -> list[RouteAnswer]:
             set_threads(self.settings.faiss_threads)  # OpenMP's cap is per thread: this one's
             self.stall()  # R4T_FAULT_STALL_RATE (chaos tests); nothing by default
             answers = path(batch)
             if answers:
                 self.metrics.observe_stages(path.name, answers[0].timings_s)
-            if isinstance(path, AutoregressivePath) and path.cache.size:
+            if isinstance(path, AutoregressiveRoute) and path.cache.size:
                 for answer in answers:
                     self.metrics.fanout_cache.labels(
                         result="hit" if answer.cached else "miss").inc()
@@ -149,7 +150,7 @@ class Retriever:
         so a reload under load meets warm caches and estimates, not a cold start."""
         for name in list(self.paths):
             deadline = time.monotonic() + WARMUP_DEADLINE_S
-            queries = [PathQuery(WARMUP_QUERIES[i % len(WARMUP_QUERIES)], 10, deadline=deadline)
+            queries = [RouteQuery(WARMUP_QUERIES[i % len(WARMUP_QUERIES)], 10, deadline=deadline)
                        for i in range(self.settings.warmup_queries)]
             try:
                 for query in queries[:1]:  # batch of one, then a full warm-up batch
@@ -164,7 +165,7 @@ class Retriever:
                 self.problems[name] = reason
                 await self.batchers.pop(name).close()
                 dropped = self.paths.pop(name)
-                if isinstance(dropped, AutoregressivePath):
+                if isinstance(dropped, AutoregressiveRoute):
                     await asyncio.to_thread(dropped.backend.close)
         if not self.paths:
             raise BundleError(f"no retrieval path survived warm-up: {self.problems}")
@@ -173,7 +174,7 @@ class Retriever:
         self.warm = True
         diffusion = self.paths.get("diffusion")
         self.stall.armed = True
-        if isinstance(diffusion, DiffusionPath) and isinstance(diffusion.sampler, FaultySampler):
+        if isinstance(diffusion, DiffusionRoute) and isinstance(diffusion.sampler, FaultySampler):
             diffusion.sampler.armed = True  # faults start once the path is serving
 
     async def _replay(self, texts: list[str]) -> None:
@@ -184,7 +185,7 @@ class Retriever:
         deadline = time.monotonic() + WARMUP_DEADLINE_S
         for name, batcher in self.batchers.items():
             answers = await asyncio.gather(
-                *(batcher.submit(PathQuery(text, 10, deadline=deadline), deadline)
+                *(batcher.submit(RouteQuery(text, 10, deadline=deadline), deadline)
                   for text in texts), return_exceptions=True)
             failed = [a for a in answers if isinstance(a, BaseException)]
             if failed:
@@ -199,7 +200,7 @@ class Retriever:
             await batcher.close()
         self.batchers = {}
         ar = self.paths.get("ar")
-        if isinstance(ar, AutoregressivePath):
+        if isinstance(ar, AutoregressiveRoute):
             await asyncio.to_thread(ar.backend.close)
 
     @property
@@ -237,12 +238,12 @@ class Retriever:
         self.recent.append(request.query)
         assignment = self.router.assign(request.user_id, request.route)
         decision = self._decide(request, assignment)
-        query = PathQuery(request.query, request.k, where_of(request.filter, self.filter_fields),
+        query = RouteQuery(request.query, request.k, where_of(request.filter, self.filter_fields),
                           lead=decision.lead if decision is not None else 0, deadline=deadline)
         route = assignment.route if decision is None or decision.fanout else "single"
         reason: str | None = None
         timings: dict[str, float] = {}
-        completed: Completed[PathAnswer] | None = None
+        completed: Completed[RouteAnswer] | None = None
         try:
             if route == "diffusion":
                 completed, reason = await self._try_diffusion(query, deadline)
@@ -280,8 +281,8 @@ class Retriever:
         return decision
 
     async def _submit(
-        self, route: str, query: PathQuery, deadline: float, fallback: str | None = None
-    ) -> Completed[PathAnswer]:
+        self, route: str, query: RouteQuery, deadline: float, fallback: str | None = None
+    ) -> Completed[RouteAnswer]:
         batcher = self.batchers.get(route)
         if batcher is None:
             why = self.problems.get(route, "not loaded")
@@ -290,8 +291,8 @@ class Retriever:
         return await batcher.submit(query, deadline)
 
     async def _submit_or_single(
-        self, route: str, query: PathQuery, deadline: float, fallback: str | None, forced: bool
-    ) -> tuple[Completed[PathAnswer], str, str | None]:
+        self, route: str, query: RouteQuery, deadline: float, fallback: str | None, forced: bool
+    ) -> tuple[Completed[RouteAnswer], str, str | None]:
         """`route`'s answer, its route and the fallback reason. A failing fan-out route hands
         the query on to `single`, the last route down, with the reason "error" (or the diffusion
         fallback's), as does an AR route too busy for a diffusion fallback; a request that asked
@@ -316,8 +317,8 @@ class Retriever:
         return await self._submit("single", query, deadline, fallback), "single", fallback
 
     async def _try_diffusion(
-        self, query: PathQuery, deadline: float
-    ) -> tuple[Completed[PathAnswer] | None, str | None]:
+        self, query: RouteQuery, deadline: float
+    ) -> tuple[Completed[RouteAnswer] | None, str | None]:
         """The diffusion answer, or None and the reason to fall back."""
         batcher = self.batchers.get("diffusion")
         if batcher is None:

@@ -14,8 +14,9 @@ import hashlib
 import random
 from dataclasses import dataclass
 
+from service.routes import ROUTE_ORDER
+
 OVERRIDE_ARM = "override"
-ROUTE_ORDER = ("diffusion", "ranked", "ar", "single")  # best first
 
 
 @dataclass(frozen=True)

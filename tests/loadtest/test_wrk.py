@@ -84,7 +84,7 @@ def test_profile_layers_are_shares_of_the_leaf_frames(tmp_path: Path) -> None:
     stacks = tmp_path / "profile.txt"
     stacks.write_text(
         "run (uvicorn/server.py:1);search (faiss/__init__.py:9) 6\n"
-        "run (uvicorn/server.py:1);answer (service/paths/single.py:3) 3\n"
+        "run (uvicorn/server.py:1);answer (service/routes/single.py:3) 3\n"
         "run (uvicorn/server.py:1) 1\n")
     assert layers(stacks) == {"FAISS": 0.6, "r4t service code": 0.3,
                               "uvicorn + httptools": 0.1}

@@ -206,6 +206,7 @@ class CompletionServerState:
     requests: int = 0
     held: int = 0  # requests waiting on `open` now
     prompts: list[str] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)  # every answered request's
     lock: threading.Lock = field(default_factory=threading.Lock)
     open: threading.Event = field(default_factory=_opened)
 
@@ -248,10 +249,14 @@ class _CompletionHandler(BaseHTTPRequestHandler):
             return
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
         self.state.prompts.extend(prompts)
-        choices = [{"index": i, "text": self.state.completion(p), "finish_reason": "stop"}
-                   for i, p in enumerate(prompts)]
+        self.state.bodies.append(body)
+        n = int(body.get("n", 1))
+        texts = [self.state.completion(p) for p in prompts for _ in range(n)]
+        choices = [{"index": i, "text": text, "finish_reason": "stop"}
+                   for i, text in enumerate(texts)]
+        usage = {"completion_tokens": sum(len(text.split()) for text in texts)}
         self._send(200, {"object": "text_completion", "model": body.get("model"),
-                         "choices": choices})
+                         "choices": choices, "usage": usage})
 
     def _send(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()

@@ -14,24 +14,24 @@ from dataclasses import replace
 from functools import partial
 
 from service.artifacts.bundle import Bundle
-from service.paths.answer import PathAnswer, PathQuery
-from service.paths.diffusion import DiffusionPath
-from service.paths.single import SinglePath
+from service.routes.answer import RouteAnswer, RouteQuery
+from service.routes.diffusion import DiffusionRoute
+from service.routes.single import SingleRoute
 from service.runtime.encoder import Encoder
 from service.scheduling.trigger import FanoutTrigger
 from service.settings import Settings
-from training.evaluation.baselines import Method, ServedPath, path_method
+from training.evaluation.baselines import Method, RouteCall, route_method
 from training.evaluation.diffusion_method import open_sampler
-from training.evaluation.fanout import policy_path
+from training.evaluation.fanout import policy_route
 
 
-def routed(trigger: FanoutTrigger, single: ServedPath, fanout: ServedPath) -> ServedPath:
+def routed(trigger: FanoutTrigger, single: RouteCall, fanout: RouteCall) -> RouteCall:
     """A path answering each query as route=auto does: `single` or the fan-out path."""
 
-    def answer(batch: Sequence[PathQuery]) -> list[PathAnswer]:
+    def answer(batch: Sequence[RouteQuery]) -> list[RouteAnswer]:
         decisions = [trigger.decide(q.text) for q in batch]
         asked = [replace(q, lead=d.lead) for q, d in zip(batch, decisions, strict=True)]
-        out: list[PathAnswer | None] = [None] * len(batch)
+        out: list[RouteAnswer | None] = [None] * len(batch)
         for path, chosen in ((fanout, True), (single, False)):
             picked = [i for i, d in enumerate(decisions) if d.fanout == chosen]
             if picked:
@@ -54,12 +54,12 @@ def auto(bundle: Bundle, k: int = 10, seed: int = 0, threads: int = 0,
                             served.fanout_threshold if threshold is None else threshold,
                             served.fanout_lead if lead is None else lead)
     if route == "diffusion":
-        fanout: ServedPath = DiffusionPath(bundle, encoder, open_sampler(bundle, threads=threads),
+        fanout: RouteCall = DiffusionRoute(bundle, encoder, open_sampler(bundle, threads=threads),
                                            seed)
     else:  # stage 1's GRPO policy, or its warm start before GRPO has landed
         folder = "folm" if bundle.has("folm/model.onnx") else "folm-warmstart"
-        fanout = policy_path(bundle, folder, threads, None, seed, None)
-    return path_method(bundle, routed(trigger, SinglePath(bundle, encoder), fanout), k)
+        fanout = policy_route(bundle, folder, threads, None, seed, None)
+    return route_method(bundle, routed(trigger, SingleRoute(bundle, encoder), fanout), k)
 
 
 auto_ar = partial(auto, route="ar")

@@ -3,7 +3,7 @@
 A method maps query texts (and their embeddings) to k probe embeddings per query, k
 returned items per query and a candidate pool of 5,000 distinct items per query (a fan-out's
 probes share it, POOL_SIZE/k each on average; see `fanout_output`). Served routes are scored
-through the service's own path objects (`path_method`): their items are the HTTP answer's.
+through the service's own path objects (`route_method`): their items are the HTTP answer's.
 Baselines here: `single` (the served route), `mmr`, `reward-greedy` and `prompt-names`.
 """
 
@@ -19,13 +19,13 @@ from service.fanout.candidates import Candidates, candidate_rows
 from service.fanout.format import PROMPT_RECIPE
 from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.reward import PAPER_WEIGHTS, RewardWeights, vendi_score
-from service.paths.answer import PathAnswer, PathQuery
-from service.paths.ranked import RankedPath
-from service.paths.resolution import resolve_items
-from service.paths.single import SinglePath
+from service.routes.answer import RouteAnswer, RouteQuery
+from service.routes.ranked import RankedRoute
+from service.routes.resolution import resolve_items
+from service.routes.single import SingleRoute
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
-from training.evaluation.metrics import POOL_PER_SLOT, POOL_SIZE
+from training.data.metrics import POOL_PER_SLOT, POOL_SIZE
 
 MMR_CANDIDATES = 100
 MMR_LAMBDA = 0.7
@@ -44,12 +44,12 @@ class MethodOutput:
 Method = Callable[[list[str], np.ndarray], MethodOutput]
 
 
-ServedPath = Callable[[Sequence[PathQuery]], list[PathAnswer]]
+RouteCall = Callable[[Sequence[RouteQuery]], list[RouteAnswer]]
 CandidateLookup = Callable[[list[str], np.ndarray], list[np.ndarray]]
 HYBRID_CANDIDATES = 50  # MMR's pool over the hybrid candidates
 
 
-def answer_probes(answers: list[PathAnswer], queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def answer_probes(answers: list[RouteAnswer], queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per returned item, the probe that claimed it: (Q, k, d) probes and (Q, k) validity.
 
     A slot the path filled from the query's dense neighbours (slot None), or any slot of a
@@ -66,13 +66,13 @@ def answer_probes(answers: list[PathAnswer], queries: np.ndarray) -> tuple[np.nd
     return probes, valid
 
 
-def path_method(bundle: Bundle, path: ServedPath, k: int,
+def route_method(bundle: Bundle, path: RouteCall, k: int,
                 candidates: CandidateLookup | None = None) -> Method:
     """A served route as an evaluation method: the path answers, the harness scores;
     `candidates` gives the rows the route chooses among (its reach@10)."""
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
-        answers = path([PathQuery(text, k) for text in texts])
+        answers = path([RouteQuery(text, k) for text in texts])
         items = np.array([a.selection.rows for a in answers], dtype=np.int64)  # (Q, k)
         probes, valid = answer_probes(answers, queries)  # (Q, k, d), (Q, k)
         out = fanout_output(bundle, probes, items)
@@ -85,10 +85,10 @@ def path_method(bundle: Bundle, path: ServedPath, k: int,
 
 def single(bundle: Bundle, k: int = 10) -> Method:
     """The served `single` route: its top-k returned, top-5000 pooled; probes are the items."""
-    path = SinglePath(bundle, Encoder(bundle.encoder_config))
+    path = SingleRoute(bundle, Encoder(bundle.encoder_config))
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
-        answers = path([PathQuery(text, k) for text in texts])
+        answers = path([RouteQuery(text, k) for text in texts])
         items = np.array([a.selection.rows for a in answers], dtype=np.int64)  # (Q, k)
         _, rows = search(bundle.index, queries, POOL_SIZE)  # (Q, 5000)
         probes = bundle.items.embeddings[items]  # (Q, k, d)
@@ -240,12 +240,12 @@ def prompt_names(bundle: Bundle, k: int = 10, n: int | None = None,
 def ranked(bundle: Bundle, k: int = 10) -> Method:
     """The served `ranked` route (the learned ranker over mentions); its candidates are the
     rows it chose from."""
-    path = RankedPath(bundle, Encoder(bundle.encoder_config))
+    path = RankedRoute(bundle, Encoder(bundle.encoder_config))
 
     def candidates(texts: list[str], queries: np.ndarray) -> list[np.ndarray]:
         return [rows for rows, _ in path.features.candidates(texts, queries)]
 
-    return path_method(bundle, path, k, candidates)
+    return route_method(bundle, path, k, candidates)
 
 
 BASELINES: dict[str, Callable[..., Method]] = {

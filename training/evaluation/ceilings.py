@@ -18,8 +18,8 @@ from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
 from service.fanout.candidates import Candidates, candidate_rows
 from service.fanout.grounding import PromptNeighbourhood
 from service.runtime.encoder import Encoder
+from training.data.metrics import best_coverage
 from training.data.splits import load_split
-from training.evaluation.metrics import best_coverage
 from training.evaluation.objectives import objective_rows
 
 SOURCES = (("dense", 16), ("dense", 100), ("dense", 500), ("lexical", 50), ("lexical", 100),

@@ -1,6 +1,6 @@
 """The diffusion retriever in the evaluation harness: method `diffusion` at any schedule.
 
-`diffusion(bundle, k, steps=None)` is the served route: `service.paths.diffusion.DiffusionPath`
+`diffusion(bundle, k, steps=None)` is the served route: `service.routes.diffusion.DiffusionRoute`
 over the
 bundle's exported sampler, its items those an HTTP answer with the same seed returns. The
 generated rows that claimed the items are the probes, so the harness scores their content-side
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from service.artifacts.bundle import Bundle
-from service.paths.diffusion import DiffusionPath
+from service.routes.diffusion import DiffusionRoute
 from service.runtime.encoder import Encoder
 from service.runtime.sampler import (
     CONFIG_FILE,
@@ -27,7 +27,7 @@ from service.runtime.sampler import (
     DiffusionSampler,
     read_config,
 )
-from training.evaluation.baselines import Method, path_method
+from training.evaluation.baselines import Method, route_method
 
 
 def composed_sampler_dir(diffusion_dir: Path, solver: str, steps: int, form: str) -> Path:
@@ -72,10 +72,10 @@ def diffusion(bundle: Bundle, k: int = 10, steps: int | None = None, solver: str
     sampler = open_sampler(bundle, steps, solver, threads)
     if draws is not None:
         sampler.config["draws"] = draws
-    path = DiffusionPath(bundle, Encoder(bundle.encoder_config), sampler, seed)
+    path = DiffusionRoute(bundle, Encoder(bundle.encoder_config), sampler, seed)
 
     def context(texts: list[str], queries: np.ndarray) -> list[np.ndarray] | None:
         rows = path.context.rows(texts, queries)  # (Q, C): what the student chooses among
         return None if rows is None else list(rows)
 
-    return path_method(bundle, path, k, context if path.context.n else None)
+    return route_method(bundle, path, k, context if path.context.n else None)

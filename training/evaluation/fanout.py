@@ -3,7 +3,7 @@
 - `folm-warmstart`: the warm-start policy, one sample (the zero-shot analogue);
 - `folm`: the GRPO policy, one sample;
 - `best-of-5`: five warm-start samples, the best by composite reward.
-`folm` and `folm-warmstart` are the served AR route (`service.scheduling.assembly.ar_path`) over
+`folm` and `folm-warmstart` are the served AR route (`service.scheduling.assembly.ar_route`) over
 either
 policy: same prompt, decoding, sub-query resolution and dense fill as an HTTP answer. Samples are
 drawn at the temperature recorded in the exported `folm.json` (decoded freely, a policy this
@@ -24,16 +24,16 @@ from service.fanout.decoding import FOLM_CONFIG
 from service.fanout.format import parse_fanout
 from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.reward import score_probes
-from service.paths.autoregressive import AutoregressivePath
+from service.routes.autoregressive import AutoregressiveRoute
 from service.runtime.encoder import Encoder
-from service.scheduling.assembly import ar_path
+from service.scheduling.assembly import ar_route
 from service.settings import Settings
 from training.evaluation.baselines import (
     CandidateLookup,
     Method,
     MethodOutput,
     fanout_output,
-    path_method,
+    route_method,
 )
 from training.stage1_fanout.grpo import embed_subqueries
 
@@ -51,8 +51,8 @@ def served_decoding(bundle: Bundle, decoding: str | None) -> str | None:
     return config.get("decoding")
 
 
-def policy_path(bundle: Bundle, folder: str, threads: int, temperature: float | None,
-                seed: int, decoding: str | None) -> AutoregressivePath:
+def policy_route(bundle: Bundle, folder: str, threads: int, temperature: float | None,
+                seed: int, decoding: str | None) -> AutoregressiveRoute:
     """The served AR route over the policy in `folder`, sampling at its recorded temperature
     (1.0 when it records none) with `seed`."""
     if temperature is None:
@@ -61,10 +61,10 @@ def policy_path(bundle: Bundle, folder: str, threads: int, temperature: float | 
     settings = Settings(bundle=bundle.path, ar_backend="onnx", threads=threads, seed=seed,
                         fanout_cache_size=0, ar_temperature=temperature,
                         ar_decoding=served_decoding(bundle, decoding))
-    return ar_path(settings, bundle, Encoder(bundle.encoder_config), folder=folder)
+    return ar_route(settings, bundle, Encoder(bundle.encoder_config), folder=folder)
 
 
-def prompt_candidates(bundle: Bundle, path: AutoregressivePath) -> CandidateLookup | None:
+def prompt_candidates(bundle: Bundle, path: AutoregressiveRoute) -> CandidateLookup | None:
     """The items the AR route's prompt names (what `context` decoding chooses among), from the
     route's own candidate generator."""
     if path.prompt_builder.n == 0:
@@ -79,8 +79,8 @@ def one_sample(
     temperature: float | None = None, seed: int = SEED, decoding: str | None = None,
 ) -> Method:
     """One sample of the policy in `folder` through the served AR route."""
-    path = policy_path(bundle, folder, threads, temperature, seed, decoding)
-    return path_method(bundle, path, k, prompt_candidates(bundle, path))
+    path = policy_route(bundle, folder, threads, temperature, seed, decoding)
+    return route_method(bundle, path, k, prompt_candidates(bundle, path))
 
 
 folm_warmstart = partial(one_sample, folder="folm-warmstart")
@@ -93,13 +93,12 @@ def best_of_5(
 ) -> Method:
     """n warm-start samples per query (the served route's prompts and decoding); keep the one
     with the highest composite reward."""
-    path = policy_path(bundle, "folm-warmstart", threads, temperature, seed, decoding)
+    path = policy_route(bundle, "folm-warmstart", threads, temperature, seed, decoding)
     candidates = prompt_candidates(bundle, path)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
         prompts = path.prompt_builder.prompts(texts, queries)
-        repeated = [p for p in prompts for _ in range(n)]  # (Q·n,)
-        parsed = [parse_fanout(g.text, k) for g in path.backend.generate(repeated)]
+        parsed = [parse_fanout(g.text, k) for g in path.backend.generate(prompts, n=n)]  # (Q·n,)
         q_rep = np.repeat(queries, n, axis=0)  # (Q·n, d)
         probes = embed_subqueries(path.encoder, path.grounding, parsed, q_rep,
                                   fallback=True)  # (Q·n, k, d)

@@ -21,14 +21,7 @@ from service.artifacts.bundle import REPORTS_DIR, Bundle, require_stages
 from service.errors import InputError
 from service.fanout.reward import score_probes
 from service.runtime.encoder import Encoder
-from training.data.query_sets import load_queries
-from training.data.splits import BenchmarkQuery
-from training.evaluation.auto import ar_led, auto, auto_ar, diffusion_led
-from training.evaluation.baselines import BASELINES, Method, MethodOutput
-from training.evaluation.diffusion_method import diffusion
-from training.evaluation.fanout import FANOUT_METHODS
-from training.evaluation.llm import LLM_METHODS
-from training.evaluation.metrics import (
+from training.data.metrics import (
     best_coverage,
     group_hit_rate,
     hit_at_1,
@@ -38,6 +31,13 @@ from training.evaluation.metrics import (
     set_vendi,
     standard_error,
 )
+from training.data.query_sets import load_queries
+from training.data.splits import BenchmarkQuery
+from training.evaluation.auto import ar_led, auto, auto_ar, diffusion_led
+from training.evaluation.baselines import BASELINES, Method, MethodOutput
+from training.evaluation.diffusion_method import diffusion
+from training.evaluation.fanout import FANOUT_METHODS
+from training.evaluation.llm import LLM_METHODS
 
 METRICS = (
     "recall@5k", "hit@5k", "precision@10", "coverage@10", "hit@1", "ndcg@10", "reach@10",

@@ -19,9 +19,9 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
 from service.errors import BundleError
-from service.paths.answer import PathQuery, searched_s
-from service.paths.diffusion import DiffusionPath
-from service.paths.single import SinglePath
+from service.routes.answer import RouteQuery, searched_s
+from service.routes.diffusion import DiffusionRoute
+from service.routes.single import SingleRoute
 from service.runtime.encoder import Encoder
 from service.runtime.index import FaissIndex, IndexChoice, chosen_index
 from service.runtime.sampler import DiffusionSampler
@@ -40,9 +40,9 @@ COLUMNS = ("index", "single coverage@10", "diffusion coverage@10", "coverage vs 
 def search_ms(path: Any, texts: list[str], k: int) -> dict[str, float]:
     """Median ms of the stages that search (`context`, `search`) of one query at a time, and
     per query in a batch of 64."""
-    alone = [searched_s(path([PathQuery(t, k)])[0].timings_s) for t in texts[:ONE_AT_A_TIME]]
+    alone = [searched_s(path([RouteQuery(t, k)])[0].timings_s) for t in texts[:ONE_AT_A_TIME]]
     batch = [texts[i % len(texts)] for i in range(BATCH)]
-    best = min(searched_s(path([PathQuery(t, k) for t in batch])[0].timings_s)
+    best = min(searched_s(path([RouteQuery(t, k) for t in batch])[0].timings_s)
                for _ in range(3))
     return {"one_ms": 1e3 * float(np.median(alone)), "batch_ms_per_query": 1e3 * best / BATCH}
 
@@ -50,10 +50,10 @@ def search_ms(path: Any, texts: list[str], k: int) -> dict[str, float]:
 def point(bundle: Bundle, choice: str, split: str, k: int, seeds: int,
           encoder: Encoder) -> dict[str, Any]:
     texts = [q.query for q in load_split(bundle.path, split)]
-    single = SinglePath(bundle, encoder)
-    diffusion = DiffusionPath(bundle, encoder, DiffusionSampler(bundle.path / "diffusion"), 0)
+    single = SingleRoute(bundle, encoder)
+    diffusion = DiffusionRoute(bundle, encoder, DiffusionSampler(bundle.path / "diffusion"), 0)
     for path in (single, diffusion):
-        path([PathQuery(t, k) for t in texts[:8]])  # warm-up
+        path([RouteQuery(t, k) for t in texts[:8]])  # warm-up
     quality = {m: evaluate(bundle, m, split, k, encoder=encoder, seeds=seeds)["metrics"]
                for m in ("single", "diffusion")}
     return {"index": choice, "single": quality["single"], "diffusion": quality["diffusion"],

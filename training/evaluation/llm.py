@@ -15,9 +15,9 @@ from functools import partial
 
 from service.artifacts.bundle import Bundle
 from service.runtime.encoder import Encoder
-from service.scheduling.assembly import llm_path
+from service.scheduling.assembly import llm_route
 from service.settings import Settings
-from training.evaluation.baselines import Method, path_method
+from training.evaluation.baselines import Method, route_method
 from training.evaluation.fanout import prompt_candidates
 
 
@@ -25,8 +25,8 @@ def llm_method(bundle: Bundle, mode: str, k: int = 10, threads: int = 0) -> Meth
     """The served AR route over the bundle's GGUF policy, prompted in `mode`."""
     settings = Settings(bundle=bundle.path, ar_backend="llama", threads=threads,
                         fanout_cache_size=0)  # every query is decoded
-    path = llm_path(settings, bundle, Encoder(bundle.encoder_config), mode)
-    return path_method(bundle, path, k, prompt_candidates(bundle, path))
+    path = llm_route(settings, bundle, Encoder(bundle.encoder_config), mode)
+    return route_method(bundle, path, k, prompt_candidates(bundle, path))
 
 
 

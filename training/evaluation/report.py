@@ -17,9 +17,9 @@ import numpy as np
 from service.artifacts.bundle import REPORTS_DIR
 from service.artifacts.items import ItemStore
 from service.fanout.format import item_name
+from training.data.metrics import standard_error
 from training.data.query_sets import load_queries
 from training.evaluation.harness import DIAGNOSTICS_DIR
-from training.evaluation.metrics import standard_error
 from training.evaluation.steps_curve import CURVE_DIR
 from training.evaluation.trigger_curve import CURVE_DIR as TRIGGER_DIR
 

@@ -23,7 +23,7 @@ from service.artifacts.bundle import (
     read_manifest,
     stage,
 )
-from service.scheduling.routing import ROUTE_ORDER
+from service.routes import ROUTE_ORDER
 from training.evaluation.harness import evaluate
 
 ROUTE_STAGES = {"diffusion": "diffusion", "ranked": "ranker"}  # fan-out route: its model's stage

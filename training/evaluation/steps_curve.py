@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
-from service.paths.diffusion import SOLVER_NAMES, DiffusionContext, repeat_draws
+from service.routes.diffusion import SOLVER_NAMES, DiffusionContext, repeat_draws
 from service.runtime.encoder import Encoder
 from service.runtime.sampler import DiffusionSampler, read_config
 from training.data.splits import load_split

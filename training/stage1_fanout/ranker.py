@@ -29,10 +29,10 @@ from service.artifacts.bundle import (
 )
 from service.fanout.mentions import FEATURES, CandidateSizes
 from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranker, RankerConfig
-from service.paths.ranked import RankedPath
+from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
+from training.data.metrics import group_hit_rate
 from training.data.splits import BenchmarkQuery, disjoint_train, load_split
-from training.evaluation.metrics import group_hit_rate
 
 K = 10
 
@@ -60,7 +60,7 @@ def ranker_stage_config(config: RankerTrainConfig) -> dict[str, Any]:
             "features": list(FEATURES)}
 
 
-def labeled(path: RankedPath, queries: list[BenchmarkQuery]
+def labeled(path: RankedRoute, queries: list[BenchmarkQuery]
             ) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """(features (N, F), labels (N,), rows per query) over the queries' candidates."""
     texts = [q.query for q in queries]
@@ -89,7 +89,7 @@ def fit(features: np.ndarray, labels: np.ndarray, sizes: list[int],
     return lightgbm.train(params, data, num_boost_round=config.rounds)
 
 
-def coverage(path: RankedPath, queries: list[BenchmarkQuery]) -> float:
+def coverage(path: RankedRoute, queries: list[BenchmarkQuery]) -> float:
     """Mean coverage@10 of the route's picks over labeled queries."""
     texts = [q.query for q in queries]
     chosen = path.choose(texts, path.encoder.encode(texts), [K] * len(queries))
@@ -108,7 +108,7 @@ def tune(bundle: Any, encoder: Encoder, sizes: CandidateSizes, booster: Any | No
     for model in ([None] if baseline or not models else []) + models:  # a tie: no model
         for weight in redundancies if val else (0.0,):
             config = RankerConfig(sizes, weight, FEATURES, model)
-            path = RankedPath(bundle, encoder, Ranker(config, booster if model else None))
+            path = RankedRoute(bundle, encoder, Ranker(config, booster if model else None))
             tried[config] = coverage(path, val) if val else float("nan")
             print(f"ranker: {model or 'label-free'}, redundancy {weight}: val coverage@10 "
                   f"{tried[config]:.3f}", flush=True)
@@ -128,7 +128,7 @@ def train_ranker(bundle_dir: Path, config: RankerTrainConfig = RankerTrainConfig
     booster = None
     if train:
         base = Ranker(RankerConfig(sizes=sizes))
-        booster = fit(*labeled(RankedPath(bundle, encoder, base), train), config)
+        booster = fit(*labeled(RankedRoute(bundle, encoder, base), train), config)
     tried = tune(bundle, encoder, sizes, booster, val, config.redundancies,
                  config.label_free_baseline)
     served = max(tried, key=lambda c: -np.inf if np.isnan(tried[c]) else tried[c])

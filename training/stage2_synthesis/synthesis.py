@@ -19,9 +19,10 @@ by `service.fanout.decoding.FanoutDecoder` — what the service runs, and faster
 `generate` on CPU: docs/experiments.md), `torch` (HF `generate` in this process, on the GPU if
 any), `http` (an OpenAI-compatible `/v1/completions` endpoint) and `vllm` (a vLLM server started
 on the policy for the run, the accelerator recipe's: docs/gpu.md; "lines" decoding as vLLM's
-regex; the clients are in samplers.py). Each distinct sub-query text is embedded and searched
-once per run (resolution.py's `ResolutionCache`);
-the ledger's retrieval calls count those searches.
+regex). `local`, `http` and `vllm` are the service's own fan-out backends asked for n samples
+per prompt; `torch` is in backends.py. Each distinct sub-query text is embedded and searched
+once per run (resolution.py's `ResolutionCache`); the ledger's retrieval calls count those
+searches.
 The run directory (`models/<bundle>/runs/synthesis/`) holds config.json,
 shards/shard-NNNNN.npz + .jsonl (resumable: finished shards are skipped) and ledger.json
 (samples, tokens, retrieval calls, wall time).
@@ -42,27 +43,25 @@ import numpy as np
 from tqdm import tqdm
 
 from service.artifacts.bundle import config_hash, git_commit, load_bundle, read_manifest, stage
+from service.backends.onnx import OnnxFanoutBackend
+from service.backends.openai import OpenAICompletionBackend, OpenAIConfig
+from service.backends.protocol import FanoutBackend
 from service.errors import BundleError, InputError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
-from service.fanout.decoding import lines_regex
+from service.fanout.decoding import FanoutDecoder, lines_regex
 from service.fanout.format import PROMPT_RECIPE, PromptBuilder, item_names
 from service.fanout.trie import DECODINGS, NAME_SCOPES
 from service.loopback import free_port
 from service.runtime.encoder import Encoder
+from training.stage2_synthesis.backends import TorchFanoutBackend, chosen_backend
 from training.stage2_synthesis.resolution import ResolutionCache, resolve_samples
-from training.stage2_synthesis.samplers import (
-    HttpSampler,
-    OnnxSampler,
-    TeacherSampler,
-    TorchSampler,
-    chosen_backend,
-)
 from training.stage2_synthesis.server import served, vllm_command
 
 SYNTHESIS_RUN = "synthesis"
 SHARDS = "shards"
 POLICY_ONNX = "policy-onnx"  # the policy exported for the local backend, in the run folder
 BACKENDS = ("local", "torch", "http", "vllm", "auto")
+ENDPOINT_TIMEOUT_S = 120.0  # 128 samples of one prompt on a busy teacher server
 TEACHERS = ("folm", "ranker", "oracle")  # `--teacher`: the policy, or stage2_synthesis/teachers
 
 
@@ -159,9 +158,10 @@ def synthesize_shard(
     lines, tokens, samples, dropped = [], 0, 0, 0
     searches_before = ctx["cache"].searches
     for qi in queries:
-        texts, n_tok = ctx["sampler"].sample(ctx["prompts"][qi], ctx["samples"][qi],
-                                             config.temperature, ctx["max_new_tokens"],
-                                             config.seed * 1_000_003 + qi)
+        generations = ctx["sampler"].generate([ctx["prompts"][qi]], n=ctx["samples"][qi],
+                                              seed=config.seed * 1_000_003 + qi)
+        texts = [g.text for g in generations]
+        n_tok = sum(g.n_tokens for g in generations)
         tokens, samples = tokens + n_tok, samples + len(texts)
         got = resolve_samples(ctx["cache"], ctx["query_emb"][qi], texts, config.k)
         if got is None:
@@ -199,8 +199,9 @@ def save_shard(path: Path, arrays: dict[str, list], lines: list[str], k: int, di
 
 @contextmanager
 def open_teacher_sampler(
-    config: SynthesisConfig, checkpoint: Path, run_dir: Path, names: list[str] | None = None
-) -> Iterator[TeacherSampler]:
+    config: SynthesisConfig, checkpoint: Path, run_dir: Path, max_new_tokens: int,
+    names: list[str] | None = None,
+) -> Iterator[FanoutBackend]:
     """The sampling backend for one run; `names` (every catalog name) serve the "catalog"
     decoding. `vllm` holds a vLLM server on the checkpoint until the block ends."""
     backend = chosen_backend(config.backend, config.decoding)
@@ -210,15 +211,18 @@ def open_teacher_sampler(
             from training.stage1_fanout.export import export_folder
 
             export_folder(checkpoint, folder)
-        yield OnnxSampler(folder, config.threads, config.decoding, names)
+        yield OnnxFanoutBackend(FanoutDecoder(folder, threads=config.threads),
+                                config.temperature, max_new_tokens, config.seed,
+                                config.decoding, names or ())
     elif backend == "torch":
         from training.device import device_of
 
-        yield TorchSampler(checkpoint, config.k, config.decoding, names, device_of().torch)
+        yield TorchFanoutBackend(checkpoint, config.k, config.temperature, max_new_tokens,
+                                 config.decoding, names, device_of().torch)
     elif backend == "http":
         if not config.endpoint:
             raise InputError("the http backend needs --endpoint (e.g. http://127.0.0.1:8000)")
-        yield HttpSampler(config.endpoint, config.model)
+        yield _endpoint(config, config.endpoint, max_new_tokens)
     else:
         if importlib.util.find_spec("vllm") is None:
             raise InputError("the vllm backend needs vllm installed (docs/gpu.md); use "
@@ -230,7 +234,15 @@ def open_teacher_sampler(
         command = vllm_command(checkpoint, port, config.model, config.seed)
         regex = lines_regex(config.k) if config.decoding == "lines" else None
         with served(command, f"http://127.0.0.1:{port}", run_dir / "vllm.log") as url:
-            yield HttpSampler(url, config.model, regex=regex)
+            yield _endpoint(config, url, max_new_tokens, regex)
+
+
+def _endpoint(config: SynthesisConfig, url: str, max_new_tokens: int,
+              regex: str | None = None) -> OpenAICompletionBackend:
+    """The service's OpenAI-compatible backend on a `/v1/completions` server at `url`."""
+    return OpenAICompletionBackend(OpenAIConfig(
+        base_url=f"{url.rstrip('/')}/v1", model=config.model, timeout_s=ENDPOINT_TIMEOUT_S,
+        temperature=config.temperature, max_tokens=max_new_tokens, regex=regex))
 
 
 def synthesize(
@@ -274,12 +286,12 @@ def synthesize(
                             context).prompts(queries, query_emb)
     catalog = item_names(bundle.items.texts) if config.decoding == "catalog" else None
     ctx = {"cache": ResolutionCache(bundle, encoder), "queries": queries, "prompts": prompts,
-           "query_emb": query_emb, "max_new_tokens": budget, "dim": encoder.dim,
+           "query_emb": query_emb, "dim": encoder.dim,
            "samples": samples}
     shards = [list(range(s, min(s + config.shard_queries, len(queries))))
               for s in range(0, len(queries), config.shard_queries)]
     if not all(_shard_path(run_dir, n).is_file() for n in range(len(shards))):
-        with open_teacher_sampler(config, checkpoint, run_dir, catalog) as sampler:
+        with open_teacher_sampler(config, checkpoint, run_dir, budget, catalog) as sampler:
             _sample_shards(run_dir, config, {**ctx, "sampler": sampler}, shards)
     wall = time.perf_counter() - started
     ledger = _load_ledger(run_dir)

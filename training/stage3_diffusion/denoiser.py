@@ -33,7 +33,7 @@ from torch import nn
 from service.errors import BundleError, InputError
 from service.fanout.candidates import CANDIDATE_SOURCES, UNRECORDED_SOURCE
 from service.fanout.format import PROMPT_RECIPE
-from service.paths.diffusion import CONTEXT_SOURCES
+from service.routes.diffusion import CONTEXT_SOURCES
 
 # Options of earlier configs whose other values were removed: their surviving value.
 REMOVED_OPTIONS: dict[str, str] = {"conditioning": "adaln", "head": "vector"}

@@ -9,7 +9,7 @@
   (B,L,d), unit-norm), composed from the step graph: either unrolled (one copy of the step's
   nodes per evaluation, sharing the weights) or as an ONNX `Loop` whose body holds the step;
   both run in one `session.run`. Several draws per query (`draws`) are not in the graph: the
-  service runs it over the batch repeated (`service.paths.diffusion.draw_rows`).
+  service runs it over the batch repeated (`service.routes.diffusion.draw_rows`).
 """
 
 from __future__ import annotations

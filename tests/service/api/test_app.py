@@ -85,7 +85,7 @@ def test_diffusion_items_are_claimed_among_the_context(server, serving_bundle, k
     row; k = 25, past the context, claims all 16 and fills the rest from the query's dense
     neighbours, noted as such."""
     from service.artifacts.bundle import load_bundle
-    from service.paths.diffusion import DiffusionContext
+    from service.routes.diffusion import DiffusionContext
     from service.runtime.encoder import Encoder
     from service.runtime.sampler import read_config
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from service.artifacts.bundle import Bundle, load_bundle, recorded_routes
+from service.routes import ROUTE_ORDER
 from service.runtime.index import IndexChoice
-from service.scheduling.routing import ROUTE_ORDER
 from service.settings import FALLBACK_ROUTES, Settings, parse_weights
 from tests.service.api.test_app import assert_k_unique, metric_samples
 from tests.service.conftest import (

@@ -75,6 +75,18 @@ def test_free_and_multiquery_modes_write_their_line_counts(tiny_gguf, prompts):
         llm.close()
 
 
+def test_n_samples_of_a_prompt_each_take_their_own_seed(tiny_gguf, prompts):
+    """Stage 2's use: the j-th sample is drawn with seed + j, so n samples are not n copies."""
+    config = LlamaConfig(mode="free", k=K, context=CONTEXT, temperature=1.0,
+                         max_new_tokens=K * MAX_NAME_CHARS * 2, n_ctx=4096)
+    llm = LlamaCppFanoutBackend(tiny_gguf, config, threads=1)
+    samples = [g.text for g in llm.generate(prompts[:1], n=3, seed=11)]
+    again = [g.text for g in llm.generate(prompts[:1], n=2, seed=12)]
+    llm.close()
+    assert len(samples) == 3 and len(set(samples)) > 1
+    assert again == samples[1:]  # seed 12 and 13
+
+
 def test_names_the_grammar_must_escape_are_written_as_they_are(tiny_gguf):
     names = ['say "hi"', "back\\slash", "café", "naïve art", "C++"]
     llm = backend(tiny_gguf, "names", k=3)

@@ -13,8 +13,8 @@ from service.artifacts.bundle import load_bundle
 from service.backends.openai import OpenAICompletionBackend, OpenAIConfig
 from service.errors import DeadlineError, UnavailableError
 from service.fanout.format import build_prompt, parse_fanout
-from service.paths.answer import PathQuery
-from service.paths.autoregressive import AutoregressivePath
+from service.routes.answer import RouteQuery
+from service.routes.autoregressive import AutoregressiveRoute
 from service.runtime.encoder import Encoder
 from tests.service.conftest import WAIT_S, holding_completions, wait_until
 
@@ -33,6 +33,28 @@ def test_one_call_per_batch_in_order(completion_server, benchmark_queries):
     assert parse_fanout(texts[3], 10).subqueries[0] == "unknown thing 1"
     for text in texts:
         assert parse_fanout(text, 10).well_formed
+
+
+def test_n_samples_per_prompt_come_back_prompt_major_with_the_calls_tokens(completion_server):
+    """Stage 2's use: n samples of each prompt in one call, its seed and regex sent."""
+    client = backend(completion_server.url, regex="(.+\\n){9}.+", max_tokens=64)
+    generations = client.generate(["harp", "lute"], n=3, seed=7)
+    client.close()
+    body = completion_server.state.bodies[-1]
+    assert (body["n"], body["seed"], body["max_tokens"]) == (3, 7, 64)
+    assert body["structured_outputs"] == {"regex": "(.+\\n){9}.+"}
+    assert [g.text.split()[0] for g in generations] == ["harp"] * 3 + ["lute"] * 3
+    words = sum(len(g.text.split()) for g in generations)  # the stand-in's token count
+    assert sum(g.n_tokens for g in generations) == words
+    assert max(g.n_tokens for g in generations) - min(g.n_tokens for g in generations) <= 1
+
+
+def test_a_call_without_a_seed_sends_none(completion_server):
+    client = backend(completion_server.url)
+    client.generate(["harp"])
+    client.close()
+    body = completion_server.state.bodies[-1]
+    assert "seed" not in body and "structured_outputs" not in body and body["n"] == 1
 
 
 def test_retries_with_backoff_then_succeeds(completion_server):
@@ -156,14 +178,14 @@ def test_the_ar_path_bounds_the_completion_call_by_the_batch_deadline(small_bund
     batch with a 504 and no completion request; an unbounded batch is answered."""
     bundle = load_bundle(small_bundle_dir)
     client = backend(completion_server.url, retries=2)
-    path = AutoregressivePath(bundle, Encoder(bundle.encoder_config), client, fanout_k=10,
+    path = AutoregressiveRoute(bundle, Encoder(bundle.encoder_config), client, fanout_k=10,
                               context=16)
     before = completion_server.state.requests
     try:
         with pytest.raises(DeadlineError):
-            path([PathQuery("tree", 10), PathQuery("boat", 10, deadline=time.monotonic() - 1)])
+            path([RouteQuery("tree", 10), RouteQuery("boat", 10, deadline=time.monotonic() - 1)])
         assert completion_server.state.requests == before
-        answers = path([PathQuery("tree", 10, deadline=time.monotonic() + 60.0)])
+        answers = path([RouteQuery("tree", 10, deadline=time.monotonic() + 60.0)])
     finally:
         client.close()
     assert completion_server.state.requests == before + 1

@@ -84,8 +84,8 @@ def test_teacher_prompt_student_context_and_served_routes_share_one_candidate_li
     items for a query when they record the same source: one definition, not three."""
     from service.fanout.format import item_name, prompt_context
     from service.fanout.grounding import NameGrounding, name_key
-    from service.paths.autoregressive import AutoregressivePath
-    from service.paths.diffusion import DiffusionContext
+    from service.routes.autoregressive import AutoregressiveRoute
+    from service.routes.diffusion import DiffusionContext
     from training.stage1_fanout.grpo import FanoutScorer
 
     # names of an item and of several (shared names ground by the query), free text
@@ -94,7 +94,7 @@ def test_teacher_prompt_student_context_and_served_routes_share_one_candidate_li
     queries = encoder.encode(texts)
     scorer = FanoutScorer(bundle, encoder, 10)
     teacher = scorer.prompts(texts, {"context": 16, "candidates": "hybrid"})
-    served = AutoregressivePath(bundle, encoder, backend=None, fanout_k=10, context=16,
+    served = AutoregressiveRoute(bundle, encoder, backend=None, fanout_k=10, context=16,
                                 candidates="hybrid")
     assert served.prompt_builder.prompts(texts, queries) == teacher
     student = DiffusionContext(bundle, {"context": 16, "context_source": "prompt",

@@ -52,7 +52,7 @@ def test_the_diffusion_context_follows_the_source_its_sampler_records(small_bund
     from service.errors import BundleError
     from service.fanout.format import item_name
     from service.fanout.grounding import PromptNeighbourhood
-    from service.paths.diffusion import DiffusionContext
+    from service.routes.diffusion import DiffusionContext
     from service.runtime.encoder import Encoder
 
     bundle = load_bundle(small_bundle_dir)

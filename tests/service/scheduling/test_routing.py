@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.scheduling.routing import OVERRIDE_ARM, ROUTE_ORDER, Router, stable_unit
+from service.routes import ROUTE_ORDER
+from service.scheduling.routing import OVERRIDE_ARM, Router, stable_unit
 from service.settings import parse_weights
 
 BOTH = {"diffusion": 0.5, "ar": 0.5}

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from service.artifacts.bundle import load_bundle
+from training.data.metrics import best_coverage
 from training.evaluation.ceilings import run_ceilings
 from training.evaluation.harness import evaluate
-from training.evaluation.metrics import best_coverage
 
 
 def test_best_coverage_picks_the_items_that_reach_most_groups():

@@ -8,8 +8,8 @@ import pytest
 from service.artifacts.bundle import load_bundle
 from service.errors import InputError
 from service.fanout.candidates import Candidates
-from service.paths.diffusion import draw_rows
-from service.paths.resolution import first_distinct_rows
+from service.routes.diffusion import draw_rows
+from service.routes.resolution import first_distinct_rows
 from service.runtime.encoder import Encoder
 from tests.training.stage3_diffusion.proxy_dataset import tiny_checkpoint
 from training.evaluation.auto import auto
@@ -67,8 +67,8 @@ def _exported_copy(bundle, tmp_path, config, **model):
 
 
 def test_the_served_path_attends_to_the_querys_nearest_items(bundle):
-    from service.paths.answer import PathQuery
-    from service.paths.diffusion import DiffusionPath
+    from service.routes.answer import RouteQuery
+    from service.routes.diffusion import DiffusionRoute
     from service.runtime.index import neighbourhood
     from service.runtime.sampler import DiffusionSampler
 
@@ -76,8 +76,8 @@ def test_the_served_path_attends_to_the_querys_nearest_items(bundle):
     assert sampler.context == 4
     calls = _record(sampler)
     encoder = Encoder(bundle.encoder_config)
-    answers = DiffusionPath(bundle, encoder, sampler, seed=0)([PathQuery("dog", 10),
-                                                               PathQuery("tool", 5)])
+    answers = DiffusionRoute(bundle, encoder, sampler, seed=0)([RouteQuery("dog", 10),
+                                                               RouteQuery("tool", 5)])
     assert [len(set(a.selection.rows)) for a in answers] == [10, 5]
     expected = neighbourhood(bundle.index, bundle.items.embeddings,
                              encoder.encode(["dog", "tool"]), 4)  # as training looks it up
@@ -86,8 +86,8 @@ def test_the_served_path_attends_to_the_querys_nearest_items(bundle):
 
 def test_a_bundle_trained_on_prompt_contexts_serves_with_them(bundle, tmp_path):
     from service.fanout.grounding import PromptNeighbourhood
-    from service.paths.answer import PathQuery
-    from service.paths.diffusion import DiffusionPath
+    from service.routes.answer import RouteQuery
+    from service.routes.diffusion import DiffusionRoute
     from service.runtime.sampler import DiffusionSampler
 
     directory = _exported_copy(bundle, tmp_path, ExportConfig(solver="euler", steps=2, draws=1),
@@ -97,7 +97,7 @@ def test_a_bundle_trained_on_prompt_contexts_serves_with_them(bundle, tmp_path):
     assert sampler.config["context_source"] == "prompt"
     calls = _record(sampler)
     encoder = Encoder(served.encoder_config)
-    answers = DiffusionPath(served, encoder, sampler, seed=0)([PathQuery("dog", 10)])
+    answers = DiffusionRoute(served, encoder, sampler, seed=0)([RouteQuery("dog", 10)])
     assert len(set(answers[0].selection.rows)) == 10
     queries = encoder.encode(["dog"])
     rows = PromptNeighbourhood(Candidates(served.index), served.items.texts,
@@ -106,8 +106,8 @@ def test_a_bundle_trained_on_prompt_contexts_serves_with_them(bundle, tmp_path):
 
 
 def test_draws_sample_the_batch_again_and_replace_repeated_items(bundle, tmp_path):
-    from service.paths.answer import PathQuery
-    from service.paths.diffusion import DiffusionPath
+    from service.routes.answer import RouteQuery
+    from service.routes.diffusion import DiffusionRoute
     from service.runtime.sampler import DiffusionSampler
 
     directory = _exported_copy(bundle, tmp_path, ExportConfig(solver="euler", steps=2, draws=1))
@@ -118,8 +118,8 @@ def test_draws_sample_the_batch_again_and_replace_repeated_items(bundle, tmp_pat
     served = load_bundle(directory)
     sampler = DiffusionSampler(directory / "diffusion", threads=1)
     raw = _record(sampler)
-    answers = DiffusionPath(served, Encoder(served.encoder_config), sampler, seed=0)(
-        [PathQuery("dog", 10), PathQuery("tool", 10)])
+    answers = DiffusionRoute(served, Encoder(served.encoder_config), sampler, seed=0)(
+        [RouteQuery("dog", 10), RouteQuery("tool", 10)])
     rows, context = raw[0]  # (4, 10, d): dog, dog, tool, tool
     assert len(raw) == 1 and len(rows) == len(context) == 4  # one run, the batch repeated
     assert [len(set(a.selection.rows)) for a in answers] == [10, 10]

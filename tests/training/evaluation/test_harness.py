@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
+from training.data import metrics
+from training.data.metrics import group_hit_rate, precision, recall, set_vendi
 from training.data.splits import load_split, query_texts
-from training.evaluation import metrics
 from training.evaluation.baselines import mmr_select, reward_greedy_select
 from training.evaluation.harness import METRICS, evaluate, write_report
-from training.evaluation.metrics import group_hit_rate, precision, recall, set_vendi
 
 
 def test_metric_functions_by_hand():

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from service.artifacts.bundle import load_bundle, read_manifest
 from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranker
-from service.paths.answer import PathQuery
-from service.paths.ranked import RankedPath
+from service.routes.answer import RouteQuery
+from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
 from training.data.splits import BENCHMARK_DIR, BenchmarkQuery, disjoint_train
 from training.stage1_fanout.ranker import RankerTrainConfig, ranker_stage_config
@@ -49,5 +49,5 @@ def test_the_small_bundle_ranker_is_trained_recorded_and_served(small_bundle_dir
     bundle = load_bundle(small_bundle_dir)
     ranker = Ranker.load(small_bundle_dir / RANKER_DIR)
     assert (ranker.booster is not None) == (served["model"] == RANKER_MODEL)
-    [answer] = RankedPath(bundle, Encoder(bundle.encoder_config), ranker)([PathQuery("tree", 5)])
+    [answer] = RankedRoute(bundle, Encoder(bundle.encoder_config), ranker)([RouteQuery("tree", 5)])
     assert len(set(answer.selection.rows)) == 5 and answer.selection.filled == 0

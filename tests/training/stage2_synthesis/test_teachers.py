@@ -7,7 +7,7 @@ import numpy as np
 
 from service.artifacts.bundle import load_bundle
 from service.fanout.ranker import RankedNeighbourhood, ScoredCandidates
-from service.paths.diffusion import DiffusionContext
+from service.routes.diffusion import DiffusionContext
 from service.runtime.encoder import Encoder
 from training.data.splits import disjoint_train
 from training.stage2_synthesis.synthesis import SynthesisConfig, load_dataset

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.paths.resolution import Selection
+from service.routes.resolution import Selection
 from service.runtime.filters import Where
 
 
 @dataclass(frozen=True)
-class PathQuery:
+class RouteQuery:
     text: str
     k: int
     where: Where | None = None  # metadata filter on the returned items
@@ -22,7 +22,7 @@ class PathQuery:
 
 
 @dataclass
-class PathAnswer:
+class RouteAnswer:
     selection: Selection
     groundedness: float
     probes: np.ndarray  # (P, d) what the items were resolved from; slot i is probes[i]
@@ -62,7 +62,7 @@ def searched_s(timings_s: dict[str, float]) -> float:
     return timings_s.get("context", 0.0) + timings_s.get("search", 0.0)
 
 
-def stamp(answers: list[PathAnswer], clock: StageClock) -> list[PathAnswer]:
+def stamp(answers: list[RouteAnswer], clock: StageClock) -> list[RouteAnswer]:
     """Give every answer of a batch the batch's stage timings."""
     for answer in answers:
         answer.timings_s = clock.timings

@@ -12,12 +12,12 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.fanout.ranker import Ranker, ScoredCandidates
-from service.paths.answer import PathAnswer, PathQuery, StageClock, selection_notes, stamp
-from service.paths.resolution import Selection, fill_short, lead_with_nearest, resolve_items
+from service.routes.answer import RouteAnswer, RouteQuery, StageClock, selection_notes, stamp
+from service.routes.resolution import Selection, fill_short, lead_with_nearest, resolve_items
 from service.runtime.encoder import Encoder
 
 
-class RankedPath:
+class RankedRoute:
     """Query → its candidates' features → ranker scores → k complementary items."""
 
     name = "ranked"
@@ -38,7 +38,7 @@ class RankedPath:
         return [rows[self.ranker.choose(scores, embeddings[rows], k)]
                 for k, (rows, scores) in zip(ks, self.scored(texts, queries), strict=True)]
 
-    def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
+    def __call__(self, batch: Sequence[RouteQuery]) -> list[RouteAnswer]:
         clock = StageClock()
         texts, ks = [q.text for q in batch], [q.k for q in batch]
         queries = self.encoder.encode(texts)  # (B, d)
@@ -61,7 +61,7 @@ class RankedPath:
         lead_with_nearest(self.bundle.index, selections, queries, [q.lead for q in batch],
                           wheres)
         clock.lap("search")
-        answers = [PathAnswer(selection, 1.0, embeddings[rows] if len(rows) else queries[i:i + 1],
+        answers = [RouteAnswer(selection, 1.0, embeddings[rows] if len(rows) else queries[i:i + 1],
                               notes=selection_notes(selection))
                    for i, (selection, rows) in enumerate(zip(selections, chosen, strict=True))]
         clock.lap("postprocess")

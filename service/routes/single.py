@@ -8,13 +8,13 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.bundle import Bundle
-from service.paths.answer import PathAnswer, PathQuery, StageClock, stamp
-from service.paths.resolution import Selection
+from service.routes.answer import RouteAnswer, RouteQuery, StageClock, stamp
+from service.routes.resolution import Selection
 from service.runtime.encoder import Encoder
 from service.runtime.index import search_each
 
 
-class SinglePath:
+class SingleRoute:
     """Query embedding → its k nearest items: one dense query, the floor of every route."""
 
     name = "single"
@@ -26,7 +26,7 @@ class SinglePath:
     def describe(self) -> dict[str, Any]:
         return {"providers": self.providers, "index": self.bundle.index.describe()}
 
-    def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
+    def __call__(self, batch: Sequence[RouteQuery]) -> list[RouteAnswer]:
         clock = StageClock()
         queries = self.encoder.encode([q.text for q in batch])  # (B, d)
         clock.lap("encode")
@@ -39,6 +39,6 @@ class SinglePath:
             selection = Selection(found[: query.k][keep].tolist(),
                                   score[: query.k][keep].tolist(), [0] * int(keep.sum()))
             grounded = float(np.clip(score[0], 0.0, 1.0)) if len(score) else 0.0
-            answers.append(PathAnswer(selection, grounded, probe[None]))  # (1, d) probe
+            answers.append(RouteAnswer(selection, grounded, probe[None]))  # (1, d) probe
         clock.lap("postprocess")
         return stamp(answers, clock)

@@ -111,13 +111,13 @@ def test_onnx_backend_decodes_under_the_decoding_setting(model_bundle: Path) -> 
 def test_context_decoding_without_catalog_names_is_refused(model_bundle: Path) -> None:
     from service.artifacts.bundle import load_bundle
     from service.runtime.encoder import Encoder
-    from service.scheduling.assembly import Loaders, load_paths
+    from service.scheduling.assembly import Loaders, load_routes
 
     bundle = load_bundle(model_bundle)
     encoder = Encoder(bundle.encoder_config)
     settings = make_settings(model_bundle, None, ar_backend="onnx", ar_context=0)
-    paths, problems = load_paths(settings, bundle, encoder, Loaders())
+    paths, problems = load_routes(settings, bundle, encoder, Loaders())
     assert "ar" not in paths and "R4T_AR_CONTEXT > 0" in problems["ar"]
     lines = make_settings(model_bundle, None, ar_backend="onnx", ar_context=0,
                           ar_decoding="lines")
-    assert "ar" in load_paths(lines, bundle, encoder, Loaders())[0]  # free text needs none
+    assert "ar" in load_routes(lines, bundle, encoder, Loaders())[0]  # free text needs none

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
-from service.paths.resolution import (
+from service.routes.resolution import (
     claim_round_robin,
     first_distinct_rows,
     lead_with_nearest,

@@ -19,12 +19,12 @@ from service.fanout.cache import FanoutCache
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.format import Generation, PromptBuilder, parse_fanout
 from service.fanout.grounding import NameGrounding
-from service.paths.answer import PathAnswer, PathQuery, StageClock, selection_notes, stamp
-from service.paths.resolution import lead_with_nearest, resolve_items
+from service.routes.answer import RouteAnswer, RouteQuery, StageClock, selection_notes, stamp
+from service.routes.resolution import lead_with_nearest, resolve_items
 from service.runtime.encoder import Encoder
 
 
-class AutoregressivePath:
+class AutoregressiveRoute:
     """Query → its catalog context → fan-out text → sub-queries → k distinct nearest items."""
 
     name = "ar"
@@ -49,7 +49,7 @@ class AutoregressivePath:
                 "cache_size": self.cache.size,
                 **self.backend.describe()}
 
-    def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
+    def __call__(self, batch: Sequence[RouteQuery]) -> list[RouteAnswer]:
         clock = StageClock()
         texts = [q.text for q in batch]
         queries = self.encoder.encode(texts)  # (B, d)
@@ -86,7 +86,7 @@ class AutoregressivePath:
             notes += selection_notes(selection)
             if hit:
                 notes.append("fan-out from the expansion cache")
-            answers.append(PathAnswer(selection, g, found, notes=notes,
+            answers.append(RouteAnswer(selection, g, found, notes=notes,
                                       well_formed=p.well_formed, subqueries=group,
                                       tokens=0 if hit else generation.n_tokens, cached=hit))
         clock.lap("postprocess")

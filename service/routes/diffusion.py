@@ -17,8 +17,8 @@ from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.ranker import RankedNeighbourhood
-from service.paths.answer import PathAnswer, PathQuery, StageClock, selection_notes, stamp
-from service.paths.resolution import (
+from service.routes.answer import RouteAnswer, RouteQuery, StageClock, selection_notes, stamp
+from service.routes.resolution import (
     first_distinct_rows,
     lead_with_nearest,
     resolve_in_context,
@@ -111,7 +111,7 @@ def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | Non
     return first_distinct_rows(index, rows, length, context)
 
 
-class DiffusionPath:
+class DiffusionRoute:
     """Query embedding → context → generated rows (B, L, d) → k distinct items they claim."""
 
     name = "diffusion"
@@ -129,7 +129,7 @@ class DiffusionPath:
     def describe(self) -> dict[str, Any]:
         return {"providers": self.providers, "config": self.sampler.config}
 
-    def __call__(self, batch: Sequence[PathQuery]) -> list[PathAnswer]:
+    def __call__(self, batch: Sequence[RouteQuery]) -> list[RouteAnswer]:
         clock = StageClock()
         queries = self.encoder.encode([q.text for q in batch])  # (B, d)
         clock.lap("encode")
@@ -157,6 +157,6 @@ class DiffusionPath:
         clock.lap("search")
         answers = []
         for selection, g, probes in zip(selections, grounded.tolist(), rows, strict=True):
-            answers.append(PathAnswer(selection, g, probes, notes=selection_notes(selection)))
+            answers.append(RouteAnswer(selection, g, probes, notes=selection_notes(selection)))
         clock.lap("postprocess")
         return stamp(answers, clock)
