@@ -30,13 +30,13 @@ from service.api.state import settle_heap
 from service.arguments import positive_list
 from service.artifacts.bundle import Bundle, load_bundle, require_stages
 from service.errors import R4TError
-from service.paths.answer import PathQuery, searched_s
-from service.paths.diffusion import DiffusionPath
-from service.paths.single import SinglePath
+from service.routes.answer import RouteQuery, searched_s
+from service.routes.diffusion import DiffusionRoute
+from service.routes.single import SingleRoute
 from service.runtime.encoder import Encoder
 from service.runtime.index import IndexChoice
 from service.runtime.sampler import DiffusionSampler
-from service.scheduling.assembly import ar_path
+from service.scheduling.assembly import ar_route
 from service.scheduling.trigger import FanoutTrigger
 from service.settings import DEFAULT_BUNDLE, Settings
 
@@ -81,7 +81,7 @@ def machine() -> dict[str, Any]:
 
 def timed_batch(path: Any, queries: list[str], k: int) -> dict[str, float]:
     """One batch through a served path: its own per-stage seconds (and AR tokens)."""
-    answers = path([PathQuery(text, k) for text in queries])
+    answers = path([RouteQuery(text, k) for text in queries])
     clock = {stage: float(seconds) for stage, seconds in answers[0].timings_s.items()}
     if any(a.tokens for a in answers):
         clock["tokens"] = float(sum(a.tokens for a in answers))
@@ -113,7 +113,7 @@ def run_trigger(bundle_dir: Path, batches: tuple[int, ...], out_dir: Path) -> di
     require_stages(bundle_dir, ("catalog", "lexical", "benchmark"), "bench --trigger-only")
     settings = Settings(bundle=bundle_dir)
     bundle = load_bundle(bundle_dir, IndexChoice.parse(settings.index))
-    single = SinglePath(bundle, Encoder(bundle.encoder_config))
+    single = SingleRoute(bundle, Encoder(bundle.encoder_config))
     trigger = FanoutTrigger(bundle.lexical, settings.fanout_threshold)
     texts = benchmark_texts(bundle_dir)
     timed_batch(single, texts[:8], 10)  # warm-up
@@ -145,13 +145,13 @@ def compute_s(clock: dict[str, float]) -> float:
 
 
 def diffusion_path(bundle_dir: Path, threads: int, encoder: Encoder | None = None,
-                   index: str | None = None, bundle: Bundle | None = None) -> DiffusionPath:
+                   index: str | None = None, bundle: Bundle | None = None) -> DiffusionRoute:
     """The bundle's diffusion path (`bundle`: that bundle already loaded, its index built)."""
     if bundle is None:
         choice = IndexChoice.parse(index or Settings(bundle=bundle_dir).index)
         bundle = load_bundle(bundle_dir, choice)
     sampler = DiffusionSampler(bundle_dir / "diffusion", threads=threads)
-    return DiffusionPath(bundle, encoder or Encoder(bundle.encoder_config, threads), sampler,
+    return DiffusionRoute(bundle, encoder or Encoder(bundle.encoder_config, threads), sampler,
                          seed=0)
 
 
@@ -163,10 +163,10 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
     diffusion = diffusion_path(bundle_dir, threads)
     bundle, encoder, sampler = diffusion.bundle, diffusion.encoder, diffusion.sampler
     paths = {"diffusion": diffusion,
-             "ar": ar_path(Settings(bundle=bundle_dir, threads=threads, seed=0, ar_backend="onnx",
+             "ar": ar_route(Settings(bundle=bundle_dir, threads=threads, seed=0, ar_backend="onnx",
                                     fanout_cache_size=0),  # timed batches repeat
                            bundle, encoder),
-             "single": SinglePath(bundle, encoder)}
+             "single": SingleRoute(bundle, encoder)}
     if baseline is not None or baseline_index:  # another diffusion path, in the same loop
         paths["baseline"] = diffusion_path(baseline or bundle_dir, threads, encoder,
                                            baseline_index)

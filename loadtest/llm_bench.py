@@ -32,10 +32,10 @@ from service.api.state import settle_heap
 from service.arguments import positive, positive_list
 from service.artifacts.bundle import load_bundle, require_stages
 from service.errors import R4TError
-from service.paths.single import SinglePath
+from service.routes.single import SingleRoute
 from service.runtime.encoder import Encoder
 from service.runtime.index import IndexChoice
-from service.scheduling.assembly import SAMPLER_FILE, llm_path
+from service.scheduling.assembly import SAMPLER_FILE, llm_route
 from service.settings import DEFAULT_BUNDLE, Settings
 
 LLM_MAX_BATCH = 64  # minutes of Gemma 3 270M on 2 cores; larger batches are projected
@@ -47,12 +47,12 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, llm_max_batch:
     require_stages(bundle_dir, ("catalog", "lexical", "benchmark", "llm"), "llm_bench")
     bundle = load_bundle(bundle_dir, IndexChoice.parse(Settings(bundle=bundle_dir).index))
     encoder = Encoder(bundle.encoder_config, threads)
-    fast: dict[str, Any] = {"single": SinglePath(bundle, encoder)}
+    fast: dict[str, Any] = {"single": SingleRoute(bundle, encoder)}
     if bundle.has(SAMPLER_FILE):
         fast["diffusion"] = diffusion_path(bundle_dir, threads, encoder, bundle=bundle)
     settings = Settings(bundle=bundle_dir, threads=threads, ar_backend="llama",
                         fanout_cache_size=0)  # timed batches repeat
-    llm = llm_path(settings, bundle, encoder)
+    llm = llm_route(settings, bundle, encoder)
     texts = [json.loads(line)["query"] for line in
              (bundle_dir / "benchmark" / "test.jsonl").read_text().splitlines()]
     for path in (*fast.values(), llm):
