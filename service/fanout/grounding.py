@@ -112,12 +112,15 @@ class PromptNeighbourhood:
         self.candidates, self.n = candidates, int(n)
         self.grounding = NameGrounding(item_texts, embeddings)
 
-    def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
-        """(Q, n) int64 rows for query texts and embeddings (Q, d), best first; when a query's
-        neighbourhood holds fewer than n names, its rows repeat in order (fixed shape).
-        `context_names` grounded by `NameGrounding.named_rows`, for the whole batch at once."""
-        found = self.candidates.rows(texts, queries, 3 * self.n)  # 3n: room for repeats
-        ids = np.full((len(texts), 3 * self.n), NOT_A_NAME, dtype=np.int64)  # (Q, 3n)
+    def rows(self, texts: Sequence[str], queries: np.ndarray, n: int | None = None
+             ) -> np.ndarray:
+        """(Q, n) int64 rows for query texts and embeddings (Q, d), best first (n: this
+        call's, default the prompt's); when a query's neighbourhood holds fewer than n names,
+        its rows repeat in order (fixed shape). `context_names` grounded by
+        `NameGrounding.named_rows`, for the whole batch at once."""
+        n = n or self.n
+        found = self.candidates.rows(texts, queries, 3 * n)  # 3n: room for repeats
+        ids = np.full((len(texts), 3 * n), NOT_A_NAME, dtype=np.int64)  # (Q, 3n)
         for i, candidates in enumerate(found):
             ids[i, : len(candidates)] = self.grounding.name_ids[candidates]
         own = np.array([self.grounding.name_id(t) for t in texts], dtype=np.int64)  # (Q,)
@@ -128,8 +131,8 @@ class PromptNeighbourhood:
             i = int(np.argmin(counts))
             raise ValueError(f"no catalog name near query {i} ({texts[i]!r})")
         kept = np.argsort(~keep, axis=1, kind="stable")  # (Q, 3n) kept positions first, in order
-        cycle = np.arange(self.n)[None, :] % np.minimum(counts, self.n)[:, None]  # (Q, n)
+        cycle = np.arange(n)[None, :] % np.minimum(counts, n)[:, None]  # (Q, n)
         names = np.take_along_axis(ids, np.take_along_axis(kept, cycle, axis=1), axis=1)  # (Q, n)
-        owners = np.repeat(np.arange(len(texts)), self.n)  # (Q·n,) each name's query
+        owners = np.repeat(np.arange(len(texts)), n)  # (Q·n,) each name's query
         return self.grounding.named_rows(names.ravel(), queries, owners).reshape(names.shape)
 

@@ -21,6 +21,7 @@ from service.fanout.candidates import UNRECORDED_SOURCE
 from service.fanout.format import MAX_NEW_TOKENS, item_names
 from service.routes.autoregressive import AutoregressiveRoute
 from service.routes.diffusion import DiffusionRoute, Sampler
+from service.routes.hybrid import HybridRoute
 from service.routes.ranked import RankedRoute
 from service.routes.single import SingleRoute
 from service.runtime.encoder import Encoder
@@ -29,7 +30,7 @@ from service.settings import Settings
 
 SAMPLER_FILE = "diffusion/sampler.onnx"
 
-RetrievalRoute = DiffusionRoute | AutoregressiveRoute | SingleRoute
+RetrievalRoute = DiffusionRoute | AutoregressiveRoute | RankedRoute | HybridRoute | SingleRoute
 ComponentFactory = Callable[[Path, list[str] | None, int], Any]
 # An AR backend, its k, and the number and source of the catalog names its prompts carry.
 BackendChoice = tuple[FanoutBackend, int, int, str]
@@ -161,6 +162,7 @@ def load_routes(
 
     builders: dict[str, Callable[[], RetrievalRoute]] = {
         "diffusion": diffusion, "ranked": lambda: RankedRoute(bundle, encoder),
+        "hybrid": lambda: HybridRoute(bundle, encoder),
         "ar": lambda: ar_route(settings, bundle, encoder, loaders)}
     for route, build in builders.items():
         try:

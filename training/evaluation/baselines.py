@@ -3,8 +3,9 @@
 A method maps query texts (and their embeddings) to k probe embeddings per query, k
 returned items per query and a candidate pool of 5,000 distinct items per query (a fan-out's
 probes share it, POOL_SIZE/k each on average; see `fanout_output`). Served routes are scored
-through the service's own path objects (`route_method`): their items are the HTTP answer's.
-Baselines here: `single` (the served route), `mmr`, `reward-greedy` and `prompt-names`.
+through the service's own route objects (`route_method`): their items are the HTTP answer's.
+Baselines here: `single` and `hybrid` (the served routes), `mmr`, `reward-greedy` and
+`prompt-names`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.fanout.candidates import Candidates, candidate_rows
-from service.fanout.format import PROMPT_RECIPE
 from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.reward import PAPER_WEIGHTS, RewardWeights, vendi_score
 from service.routes.answer import RouteAnswer, RouteQuery
+from service.routes.hybrid import HybridRoute
 from service.routes.ranked import RankedRoute
 from service.routes.resolution import resolve_items
 from service.routes.single import SingleRoute
@@ -134,10 +135,16 @@ def mmr(bundle: Bundle, k: int = 10, lam: float = MMR_LAMBDA) -> Method:
     return run
 
 
-def hybrid_names(bundle: Bundle, k: int = 10, n: int = PROMPT_RECIPE.context) -> Method:
-    """The first k names of a prompt of n hybrid candidates (lexical and dense fused by rank,
-    no learning): what a fan-out over the wider candidate space gets without choosing."""
-    return prompt_names(bundle, k, n, "hybrid")
+def hybrid(bundle: Bundle, k: int = 10) -> Method:
+    """The served `hybrid` route: the first k names of a prompt of hybrid candidates (lexical
+    and dense fused by rank, no learning), what a fan-out gets without choosing; its
+    candidates are the prompt's."""
+    path = HybridRoute(bundle, Encoder(bundle.encoder_config))
+
+    def candidates(texts: list[str], queries: np.ndarray) -> list[np.ndarray]:
+        return list(path.lookup.rows(texts, queries))
+
+    return route_method(bundle, path, k, candidates)
 
 
 def mmr_hybrid(bundle: Bundle, k: int = 10, lam: float = MMR_LAMBDA) -> Method:
@@ -250,5 +257,6 @@ def ranked(bundle: Bundle, k: int = 10) -> Method:
 
 BASELINES: dict[str, Callable[..., Method]] = {
     "single": single, "mmr": mmr, "reward-greedy": reward_greedy, "prompt-names": prompt_names,
-    "hybrid-names": hybrid_names, "mmr-hybrid": mmr_hybrid, "ranked": ranked,
+    "hybrid": hybrid, "hybrid-names": hybrid,  # the route's name in earlier reports
+    "mmr-hybrid": mmr_hybrid, "ranked": ranked,
 }

@@ -58,7 +58,7 @@ _PROMPTED = "lexical"  # the prompts' and the student's candidates are hybrid: t
 # the bundle stages each method reads besides the catalog (and the split's benchmark)
 METHOD_STAGES: dict[str, tuple[str | tuple[str, ...], ...]] = {
     **dict.fromkeys(("single", "mmr", "reward-greedy", "prompt-names"), ()),
-    **dict.fromkeys(("hybrid-names", "mmr-hybrid"), (_PROMPTED,)),
+    **dict.fromkeys(("hybrid", "hybrid-names", "mmr-hybrid"), (_PROMPTED,)),
     **dict.fromkeys(("folm-warmstart", "best-of-5"), (_PROMPTED, "folm-warmstart")),
     "folm": (_PROMPTED, "folm"),
     "ranked": (_PROMPTED, "ranker"),

@@ -1,7 +1,7 @@
 """The `routes` stage: which fan-out route a bundle serves by default, measured on its own val
 split, so no user is served a learned model that loses to a cheaper route on their catalog.
 
-The last stage of `r4t bundle`: each fan-out route the bundle has (diffusion, ranked) and
+The last stage of `r4t bundle`: each fan-out route the bundle has (diffusion, ranked, hybrid) and
 `single` run through the harness on val; the fan-out route with the best coverage@10 whose
 recall@5k is not below single's becomes the default arm (single when none is), beside the AR
 arm's share when the bundle has an AR policy. The table and the weights land in
@@ -26,7 +26,8 @@ from service.artifacts.bundle import (
 from service.routes import ROUTE_ORDER
 from training.evaluation.harness import evaluate
 
-ROUTE_STAGES = {"diffusion": "diffusion", "ranked": "ranker"}  # fan-out route: its model's stage
+# fan-out route: the stage it needs (its model's; `hybrid` has none, only the lexical index)
+ROUTE_STAGES = {"diffusion": "diffusion", "ranked": "ranker", "hybrid": "lexical"}
 # served routes the harness runs by the same name, best first
 FANOUT_ROUTES = tuple(r for r in ROUTE_ORDER if r in ROUTE_STAGES)
 AR_POLICIES = ("folm", "folm-warmstart", "llm")
@@ -38,6 +39,7 @@ class RoutesConfig:
     seeds: int = 1
     metric: str = "coverage@10"
     ar_share: float = 0.1  # the AR arm's weight beside the winner, when the bundle has one
+    candidates: tuple[str, ...] = FANOUT_ROUTES  # the fan-out routes measured, when built
 
 
 def routes_stage_config(config: RoutesConfig = RoutesConfig()) -> dict[str, Any]:

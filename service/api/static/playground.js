@@ -2,7 +2,7 @@
 // Plain DOM code, no build step; every text from the service goes through textContent.
 "use strict";
 
-const ROUTES = ["single", "ranked", "diffusion", "ar"];
+const ROUTES = ["single", "hybrid", "ranked", "diffusion", "ar"];
 
 function el(tag, className, text) {
   const node = document.createElement(tag);
@@ -36,6 +36,7 @@ function why(item, answer) {
     return `sub-query ${item.slot}: “${answer.subqueries[item.slot]}”`;
   }
   if (answer.route === "ranked") return `pick ${item.slot + 1}`;
+  if (answer.route === "hybrid") return `candidate ${item.slot + 1}`;
   return answer.route === "single" ? "the query itself" : `row ${item.slot}`;
 }
 

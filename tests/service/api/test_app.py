@@ -47,10 +47,10 @@ def test_readyz_is_503_until_warm_then_200(settings_for, completion_server):
         ready = client.get("/readyz")
         assert ready.status_code == 200
         assert ready.json() == {"status": "ready", "bundle": "svc", "building": False,
-                                "routes": ["diffusion", "ranked", "ar", "single"]}
+                                "routes": ["diffusion", "ranked", "ar", "hybrid", "single"]}
 
 
-@pytest.mark.parametrize("route", ["diffusion", "ranked", "ar", "single"])
+@pytest.mark.parametrize("route", ["diffusion", "ranked", "ar", "hybrid", "single"])
 def test_retrieve_returns_k_unique_items_on_every_route(server, benchmark_queries, route):
     with server.client() as client:
         query = benchmark_queries[0].query
@@ -62,7 +62,8 @@ def test_retrieve_returns_k_unique_items_on_every_route(server, benchmark_querie
     assert body["fallback"] == {"used": False, "reason": None}
     assert body["bundle"] == "svc"
     assert {"queue", "encode", "search", "total"} <= set(body["timings_ms"])
-    stage = {"diffusion": "solver", "ranked": "rank", "ar": "decode", "single": "search"}[route]
+    stage = {"diffusion": "solver", "ranked": "rank", "ar": "decode", "hybrid": "candidates",
+             "single": "search"}[route]
     assert stage in body["timings_ms"]
     assert 0.0 < body["groundedness"] <= 1.0
     scores = [item["score"] for item in body["items"]]
@@ -72,7 +73,7 @@ def test_retrieve_returns_k_unique_items_on_every_route(server, benchmark_querie
 @pytest.mark.parametrize("k", [1, 3, 25])
 def test_any_k_gives_k_distinct_items(server, k):
     with server.client() as client:
-        for route in ("diffusion", "ranked", "ar", "single"):
+        for route in ("diffusion", "ranked", "ar", "hybrid", "single"):
             response = client.post("/v1/retrieve", json={"query": "dog", "k": k, "route": route})
             assert response.status_code == 200, response.text
             assert_k_unique(response.json(), k)

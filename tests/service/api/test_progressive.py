@@ -28,7 +28,7 @@ def test_a_catalog_alone_serves_the_ranked_and_single_routes(settings_for, catal
     settings = settings_for(bundle=catalog_only, openai_base_url=None)
     with live_server(settings) as live, live.client() as client:
         ready = client.get("/readyz").json()
-        assert ready["routes"] == ["ranked", "single"]  # the ranker is a catalog stage
+        assert ready["routes"] == ["ranked", "hybrid", "single"]  # the ranker is a catalog stage
         ranked = client.post("/v1/retrieve", json={"query": "fish", "k": 7}).json()
         assert_k_unique(ranked, 7)
         assert ranked["route"] == "ranked"  # no configured arm loaded: the best loaded route
@@ -63,7 +63,7 @@ def test_a_watched_bundle_switches_to_diffusion_when_its_stage_lands(settings_fo
                     routes.append(response.json()["route"])
 
     with live_server(settings) as live, live.client() as client:
-        assert client.get("/readyz").json()["routes"] == ["ranked", "single"]
+        assert client.get("/readyz").json()["routes"] == ["ranked", "hybrid", "single"]
         worker = threading.Thread(target=hammer, args=(live.url,))
         worker.start()
         try:

@@ -78,7 +78,7 @@ def test_filters_reach_the_api_and_bad_ones_are_422(engine_bundle, settings_for,
     bundle = load_bundle(engine_bundle)
     with live_server(settings_for(engine_bundle, index=index)) as live, \
             live.client() as client:
-        for route in ("single", "diffusion", "ar"):
+        for route in ("single", "diffusion", "ar", "hybrid"):
             body = {"query": "dog", "k": 7, "route": route, "filter": {"shelf": "distractor"}}
             answer = client.post("/v1/retrieve", json=body)
             assert answer.status_code == 200, answer.text

@@ -25,6 +25,8 @@ def row(coverage: float, recall: float) -> dict[str, float]:
     ({"diffusion": row(0.21, 0.62), "ranked": row(0.28, 0.50), "single": row(0.16, 0.57)},
      "diffusion"),  # the ranked route loses recall to single: not a fair winner
     ({"ranked": row(0.28, 0.50), "single": row(0.16, 0.57)}, "single"),
+    ({"diffusion": row(0.20, 0.62), "ranked": row(0.21, 0.60), "hybrid": row(0.24, 0.58),
+      "single": row(0.16, 0.57)}, "hybrid"),  # no learned route beats the free heuristic
 ])
 def test_the_best_fanout_that_keeps_singles_recall_wins(table, best):
     assert choose(table, CONFIG) == best
@@ -42,7 +44,7 @@ def test_the_measured_choice_is_served_and_r4t_routes_overrides_it(serving_bundl
     shutil.copytree(serving_bundle, bundle)
     select_routes(bundle)
     measured = json.loads((bundle / ROUTES_FILE).read_text())
-    assert set(measured["table"]) == {"diffusion", "ranked", "single"}
+    assert set(measured["table"]) == {"diffusion", "ranked", "hybrid", "single"}
     assert read_manifest(bundle)["stages"]["routes"]["weights"] == measured["weights"]
     best = measured["weights"].split("=")[0]
     assert best == choose(measured["table"], CONFIG)

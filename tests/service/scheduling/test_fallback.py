@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from service.routes import ROUTE_ORDER
 from tests.service.api.test_app import assert_k_unique, metric_samples
 from tests.service.conftest import live_server
 
@@ -13,7 +14,7 @@ def fallback_count(client, reason: str) -> float:
 
 def test_broken_sampler_is_answered_by_ar(settings_for, broken_bundle):
     with live_server(settings_for(bundle=broken_bundle)) as live, live.client() as client:
-        assert client.get("/readyz").json()["routes"] == ["ranked", "ar", "single"]
+        assert client.get("/readyz").json()["routes"] == ["ranked", "ar", "hybrid", "single"]
         info = client.get("/v1/info").json()["served"]
         assert "warm-up failed" in info["unavailable"]["diffusion"]
         before = fallback_count(client, "unavailable")
@@ -32,7 +33,7 @@ def test_sampler_errors_at_run_time_fall_back_per_batch(settings_for, fragile_bu
     settings = settings_for(bundle=fragile_bundle, max_wait_ms=200.0, warmup_queries=2)
     with live_server(settings) as live, live.client() as client:
         # warm-up (batches of 1 and 2) passed
-        assert client.get("/readyz").json()["routes"] == ["diffusion", "ranked", "ar", "single"]
+        assert client.get("/readyz").json()["routes"] == list(ROUTE_ORDER)
         queries = [{"query": q, "route": "diffusion"} for q in ("oak", "elm", "ash")]
         response = client.post("/v1/retrieve:batch", json={"queries": queries})
         assert response.status_code == 200
@@ -66,7 +67,7 @@ def test_model_paths_down_leaves_the_single_route_and_a_503_not_a_500(settings_f
     settings = settings_for(bundle=broken_bundle, openai_base_url="http://127.0.0.1:9/v1",
                             openai_retries=0, openai_timeout_s=1.0)
     with live_server(settings) as live, live.client() as client:
-        assert client.get("/readyz").json()["routes"] == ["ranked", "single"]
+        assert client.get("/readyz").json()["routes"] == ["ranked", "hybrid", "single"]
         unavailable = client.get("/v1/info").json()["served"]["unavailable"]
         assert "warm-up failed" in unavailable["diffusion"]
         assert "ConnectError" in unavailable["ar"]
@@ -85,7 +86,7 @@ def test_model_paths_down_leaves_the_single_route_and_a_503_not_a_500(settings_f
 def test_injected_sampler_faults_are_answered_by_ar(settings_for):
     settings = settings_for(fault_diffusion_rate=1.0, routes="diffusion=1")
     with live_server(settings) as live, live.client() as client:  # warm-up is never faulted
-        assert client.get("/readyz").json()["routes"] == ["diffusion", "ranked", "ar", "single"]
+        assert client.get("/readyz").json()["routes"] == list(ROUTE_ORDER)
         for query in ("oak", "harp", "boat"):
             body = client.post("/v1/retrieve", json={"query": query}).json()
             assert body["arm"] == "diffusion" and body["route"] == "ar"

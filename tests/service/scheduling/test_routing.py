@@ -69,11 +69,12 @@ def test_unloaded_arms_are_dropped():
 @pytest.mark.parametrize("weights, available, best", [
     ({}, {"diffusion", "ar", "single"}, "diffusion"),
     ({"diffusion": 1.0}, {"ar", "single"}, "ar"),
+    ({"diffusion": 1.0}, {"hybrid", "single"}, "hybrid"),
     (BOTH, {"single"}, "single"),
 ])
 def test_without_a_loaded_arm_everything_goes_to_the_best_loaded_route(weights, available,
                                                                          best):
-    assert ROUTE_ORDER == ("diffusion", "ranked", "ar", "single")
+    assert ROUTE_ORDER == ("diffusion", "ranked", "ar", "hybrid", "single")
     router = Router(weights, available, seed=0)
     assert router.weights == {best: 1.0}
     users = [router.assign(f"u{i}") for i in range(50)]
