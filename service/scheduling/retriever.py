@@ -4,7 +4,7 @@ on reload. A bundle with only its catalog serves the `single` route; the AR rout
 A/B arm (a narrow query asked with route=auto goes to `single` instead: the fan-out trigger,
 service/scheduling/trigger.py) and falls back from the diffusion route to ar (or, without it, to
 `single`) when diffusion is unavailable, fails, or fails the quality gate (groundedness below
-the threshold), and from a failing ar or ranked route to `single`; every fallback is counted by
+the threshold), and from any other failing route to `single`; every fallback is counted by
 reason. A route too busy to answer in time refuses (429) instead: the slower AR path would not
 do better. The paths it serves are built by service/scheduling/assembly.py.
 """
