@@ -34,14 +34,21 @@ from service.fanout.reward import PAPER_WEIGHTS, RewardTerms, score_probes
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
 from training.commands import given
+from training.data.metrics import group_hit_rate
+from training.data.splits import disjoint_train, query_texts
 
 REWARD_MODES: dict[str, tuple[str, ...]] = {
     "ground": ("ground",),
     "ground+align": ("ground", "alignment"),
     "all": ("ground", "diversity", "alignment"),  # the paper's composite
     "about": ("about",),
+    "label": ("label",),  # LABEL_REWARD
 }
 PAPER_MODES = ("ground", "ground+align", "all")  # `--reward ablation`: which paper terms count
+# a positive control, not a recipe: coverage@10 of the labeled groups of a train query disjoint
+# from val/test (`training.data.splits.disjoint_train`), which GRPO then trains on alone; does
+# train coverage climb toward the prompt's label ceiling, and does val follow?
+LABEL_REWARD = "label"
 # `--reward py:module:function`: a user's f(query, item_texts) -> float, the hook the paper's
 # authors propose for production signals (click-through proxies); weight 1, one term "user"
 USER_REWARD = "py:"
@@ -208,6 +215,9 @@ def reward_functions(scorer: FanoutScorer, mode: str) -> tuple[list[Callable], l
 
     if user:
         return [user_reward_function(scorer, user_reward(mode), make("ground"))], [1.0]
+    if mode == LABEL_REWARD:
+        return [label_reward_function(scorer, labeled_groups(scorer.bundle.path),
+                                      make("ground"))], [1.0]
     terms = reward_terms_of(mode)
     return [make(t) for t in terms], [TERM_WEIGHTS[t] for t in terms]
 
@@ -238,6 +248,35 @@ def user_reward_function(scorer: FanoutScorer, function: Callable[[str, list[str
                                                                              strict=True)]
 
     return user
+
+
+def labeled_groups(bundle_dir: Path) -> dict[str, list[list[str]]]:
+    """The groups of each labeled train query disjoint from val/test, by query text."""
+    return {q.query: q.groups for q in disjoint_train(bundle_dir)}
+
+
+def label_reward_function(scorer: FanoutScorer, groups: dict[str, list[list[str]]],
+                          logger: Callable[..., list[float]]) -> Callable[..., list[float]]:
+    """TRL reward f(prompts, completions, query=...): the share of the query's labeled groups
+    its items reach (coverage@10); `logger` logs the label-free terms beside it."""
+    ids = scorer.bundle.items.ids
+
+    def label(prompts: list[str], completions: list[str], query: list[str],
+              **kwargs: Any) -> list[float]:
+        logger(prompts, completions, query=query, **kwargs)
+        rows = scorer.item_rows(list(query), list(completions))
+        return [group_hit_rate({ids[r] for r in row}, groups[q])
+                for q, row in zip(query, rows, strict=True)]
+
+    return label
+
+
+def training_queries_of(bundle_dir: Path, mode: str) -> list[str]:
+    """What GRPO trains on: the train split's texts, or for the label reward the labeled
+    queries disjoint from val/test (the only ones it may read labels of)."""
+    if mode == LABEL_REWARD:
+        return list(labeled_groups(bundle_dir))
+    return query_texts(bundle_dir, "train")
 
 
 def reward_terms_of(mode: str) -> tuple[str, ...]:

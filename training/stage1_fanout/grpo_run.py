@@ -36,6 +36,7 @@ from training.stage1_fanout.grpo import (
     reward_functions,
     reward_terms_of,
     run_dir_for,
+    training_queries_of,
 )
 
 
@@ -92,7 +93,6 @@ def train_grpo(
     from datasets import Dataset
     from transformers.trainer_utils import get_last_checkpoint
 
-    from training.data.splits import query_texts
     from training.device import device_of
     from training.stage1_fanout.grammar import constrain_generation
     from training.stage1_fanout.grpo_trainer import MaskedGRPOTrainer
@@ -103,7 +103,7 @@ def train_grpo(
     torch.set_num_threads(config.threads)
     run_dir = run_dir or run_dir_for(bundle_dir, config.reward)
     run_dir.mkdir(parents=True, exist_ok=True)
-    queries = queries if queries is not None else query_texts(bundle_dir, "train")
+    queries = queries if queries is not None else training_queries_of(bundle_dir, config.reward)
     meta = policy_meta(init)
     policy = meta.get("policy", {})
     check_decoding(config.decoding, int(policy.get("context", 0)))

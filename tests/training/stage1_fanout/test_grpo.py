@@ -97,6 +97,28 @@ def test_a_user_reward_callable_scores_the_items_a_fan_out_retrieves(
             reward_terms_of(bad)
 
 
+def test_the_label_reward_is_the_share_of_a_labeled_train_querys_groups_reached(
+    setup: tuple[Path, Path], scorer: FanoutScorer,
+) -> None:
+    from tests.training.stage1_fanout.test_policy import THEMES
+    from training.data.splits import query_texts
+    from training.stage1_fanout.grpo import labeled_groups, reward_terms_of, training_queries_of
+
+    groups = labeled_groups(setup[0])
+    held_out = set(query_texts(setup[0], "val")) | set(query_texts(setup[0], "test"))
+    assert groups and not set(groups) & held_out
+    assert training_queries_of(setup[0], "label") == list(groups)
+    query, members = next(iter(groups.items()))
+    theme, _ = members[0][0].split("-", 1)
+    reached = [group[0].split("-", 1)[1] for group in members[:3]]  # 3 of its groups
+    other = next(words for name, words in THEMES.items() if name != theme)
+    funcs, weights = reward_functions(scorer, "label")
+    assert reward_terms_of("label") == ("label",) and weights == [1.0]
+    completion = format_fanout(reached + other[: 10 - len(reached)])
+    assert funcs[0]([""], [completion], query=[query]) == pytest.approx([3 / len(members)])
+    assert funcs[0]([""], [format_fanout(other)], query=[query]) == [0.0]
+
+
 def test_aboutness_is_the_share_of_items_whose_text_the_lexical_index_matches(
     scorer: FanoutScorer,
 ) -> None:
