@@ -7,9 +7,10 @@ hyponym branches. A user's benchmark is JSONL {"query": str, "groups": [[item id
 are deterministic by query (80/10/10, fixed seed).
 
 Label-free stages read the query texts only (`query_texts`). The one supervised stage, the
-ranker, learns from the train queries' groups (a team's click or judgment logs), and only from
-those that share no item with a val or test query (`disjoint_train`): WordNet's broad queries
-nest, and most held-out items sit in some train query's groups.
+ranker, learns from the train queries' groups (a team's click or judgment logs), never from a
+held-out item: WordNet's broad queries nest, and most held-out items sit in some train query's
+groups, so a train query either shares no item with val or test (`disjoint_train`) or has its
+held-out items masked out (`masked_train`, the ranker's default).
 """
 
 from __future__ import annotations
@@ -121,14 +122,34 @@ def load_split(bundle_dir: Path, split: str) -> list[BenchmarkQuery]:
     return [_from_record(json.loads(line)) for line in path.read_text().splitlines() if line]
 
 
+def held_out_items(bundle_dir: Path) -> set[str]:
+    """Every item of a val or test query's groups, and those queries' own ids."""
+    return set().union(*(_items(q) for split in ("val", "test")
+                         for q in load_split(bundle_dir, split)))
+
+
 def disjoint_train(bundle_dir: Path) -> list[BenchmarkQuery]:
     """The train queries whose items (and own id) appear in no val or test query."""
-    def items(query: BenchmarkQuery) -> set[str]:
-        return query.reference | ({query.id} if query.id else set())
+    held = held_out_items(bundle_dir)
+    return [q for q in load_split(bundle_dir, "train") if q.groups and not _items(q) & held]
 
-    held = set().union(*(items(q) for split in ("val", "test") for q in load_split(bundle_dir,
-                                                                                   split)))
-    return [q for q in load_split(bundle_dir, "train") if q.groups and not items(q) & held]
+
+def masked_train(bundle_dir: Path) -> list[BenchmarkQuery]:
+    """Every labeled train query that is no held-out item itself, its groups without the
+    held-out items (a group left empty dropped): each train subtree cut where a val or test
+    subtree starts, so no held-out item is ever a label, and far more queries than
+    `disjoint_train` keeps."""
+    held = held_out_items(bundle_dir)
+    masked = []
+    for query in load_split(bundle_dir, "train"):
+        groups = [kept for group in query.groups if (kept := [i for i in group if i not in held])]
+        if groups and query.id not in held:
+            masked.append(BenchmarkQuery(query.query, groups, query.id, query.target))
+    return masked
+
+
+def _items(query: BenchmarkQuery) -> set[str]:
+    return query.reference | ({query.id} if query.id else set())
 
 
 def query_texts(bundle_dir: Path, split: str = "train") -> list[str]:

@@ -35,7 +35,7 @@ from service.runtime.encoder import Encoder
 from service.runtime.index import search
 from training.commands import given
 from training.data.metrics import group_hit_rate
-from training.data.splits import disjoint_train, query_texts
+from training.data.splits import masked_train, query_texts
 
 REWARD_MODES: dict[str, tuple[str, ...]] = {
     "ground": ("ground",),
@@ -45,9 +45,9 @@ REWARD_MODES: dict[str, tuple[str, ...]] = {
     "label": ("label",),  # LABEL_REWARD
 }
 PAPER_MODES = ("ground", "ground+align", "all")  # `--reward ablation`: which paper terms count
-# a positive control, not a recipe: coverage@10 of the labeled groups of a train query disjoint
-# from val/test (`training.data.splits.disjoint_train`), which GRPO then trains on alone; does
-# train coverage climb toward the prompt's label ceiling, and does val follow?
+# a positive control, not a recipe: coverage@10 of a labeled train query's groups, val's and
+# test's items masked out (`training.data.splits.masked_train`, the ranker's), which GRPO then
+# trains on alone; does train coverage climb toward the prompt's label ceiling, does val follow?
 LABEL_REWARD = "label"
 # `--reward py:module:function`: a user's f(query, item_texts) -> float, the hook the paper's
 # authors propose for production signals (click-through proxies); weight 1, one term "user"
@@ -251,8 +251,8 @@ def user_reward_function(scorer: FanoutScorer, function: Callable[[str, list[str
 
 
 def labeled_groups(bundle_dir: Path) -> dict[str, list[list[str]]]:
-    """The groups of each labeled train query disjoint from val/test, by query text."""
-    return {q.query: q.groups for q in disjoint_train(bundle_dir)}
+    """The groups of each labeled train query, held-out items masked, by query text."""
+    return {q.query: q.groups for q in masked_train(bundle_dir)}
 
 
 def label_reward_function(scorer: FanoutScorer, groups: dict[str, list[list[str]]],
@@ -273,7 +273,7 @@ def label_reward_function(scorer: FanoutScorer, groups: dict[str, list[list[str]
 
 def training_queries_of(bundle_dir: Path, mode: str) -> list[str]:
     """What GRPO trains on: the train split's texts, or for the label reward the labeled
-    queries disjoint from val/test (the only ones it may read labels of)."""
+    train queries (their held-out items masked: the labels it may read)."""
     if mode == LABEL_REWARD:
         return list(labeled_groups(bundle_dir))
     return query_texts(bundle_dir, "train")

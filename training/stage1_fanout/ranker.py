@@ -1,8 +1,9 @@
 """The `ranker` stage: a teacher that learns the catalog from labeled queries.
 
 LightGBM's lambdarank over each train query's candidates (service.fanout.mentions), an item
-labeled 1 when it sits in one of the query's groups; trained only on the train queries that
-share no item with val or test (training.data.splits.disjoint_train). The set objective's one
+labeled 1 when it sits in one of the query's groups; no val or test item is ever a training row
+(`train`: every train query with those items masked out, training.data.splits.masked_train, or
+only the queries that share none, disjoint_train). The set objective's one
 free weight, the redundancy penalty, is chosen on val's coverage@10, and the model is served
 only where it beats the label-free mention order there (a benchmark without labels gets that
 order). Seconds on a CPU; no torch.
@@ -27,14 +28,22 @@ from service.artifacts.bundle import (
     read_manifest,
     stage,
 )
+from service.errors import InputError
 from service.fanout.mentions import FEATURES, CandidateSizes
 from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranker, RankerConfig
 from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
 from training.data.metrics import group_hit_rate
-from training.data.splits import BenchmarkQuery, disjoint_train, load_split
+from training.data.splits import (
+    BenchmarkQuery,
+    disjoint_train,
+    held_out_items,
+    load_split,
+    masked_train,
+)
 
 K = 10
+TRAIN_SETS = {"masked": masked_train, "disjoint": disjoint_train}
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class RankerTrainConfig:
     seed: int = 0
     # serve the label-free order instead where it measures at least as well on val
     label_free_baseline: bool = True
+    train: str = "masked"  # TRAIN_SETS: which labeled train queries it learns from
 
 
 def ranker_stage_config(config: RankerTrainConfig) -> dict[str, Any]:
@@ -60,9 +70,10 @@ def ranker_stage_config(config: RankerTrainConfig) -> dict[str, Any]:
             "features": list(FEATURES)}
 
 
-def labeled(path: RankedRoute, queries: list[BenchmarkQuery]
+def labeled(path: RankedRoute, queries: list[BenchmarkQuery], held: set[str]
             ) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """(features (N, F), labels (N,), rows per query) over the queries' candidates."""
+    """(features (N, F), labels (N,), rows per query) over the queries' candidates, the
+    `held` items (val's and test's) left out: neither a positive nor a negative."""
     texts = [q.query for q in queries]
     embedded = path.encoder.encode(texts)  # (Q, d)
     tables, labels, sizes = [], [], []
@@ -70,9 +81,12 @@ def labeled(path: RankedRoute, queries: list[BenchmarkQuery]
     pairs = zip(queries, embedded, path.features.candidates(texts, embedded), strict=True)
     for query, vector, (rows, listed) in tqdm(pairs, total=len(queries), desc="ranker rows"):
         reference = query.reference
-        tables.append(path.features.features(query.query, vector, rows, listed))
-        labels.append(np.array([ids[r] in reference for r in rows], dtype=np.int32))
-        sizes.append(len(rows))
+        kept = np.array([ids[r] not in held for r in rows], dtype=bool)  # (C,)
+        if not kept.any():
+            continue
+        tables.append(path.features.features(query.query, vector, rows, listed)[kept])
+        labels.append(np.array([ids[r] in reference for r in rows[kept]], dtype=np.int32))
+        sizes.append(int(kept.sum()))
     return np.concatenate(tables), np.concatenate(labels), sizes
 
 
@@ -123,12 +137,16 @@ def train_ranker(bundle_dir: Path, config: RankerTrainConfig = RankerTrainConfig
     bundle = load_bundle(bundle_dir)
     encoder = Encoder(bundle.encoder_config)
     sizes = CandidateSizes(config.hybrid, config.mentions)
-    train = disjoint_train(bundle_dir)
+    if config.train not in TRAIN_SETS:
+        raise InputError(f"unknown ranker train set {config.train!r}; use one of "
+                         f"{sorted(TRAIN_SETS)}")
+    train = TRAIN_SETS[config.train](bundle_dir)
     val = [q for q in load_split(bundle_dir, "val") if q.groups]
     booster = None
     if train:
         base = Ranker(RankerConfig(sizes=sizes))
-        booster = fit(*labeled(RankedRoute(bundle, encoder, base), train), config)
+        booster = fit(*labeled(RankedRoute(bundle, encoder, base), train,
+                               held_out_items(bundle_dir)), config)
     tried = tune(bundle, encoder, sizes, booster, val, config.redundancies,
                  config.label_free_baseline)
     served = max(tried, key=lambda c: -np.inf if np.isnan(tried[c]) else tried[c])

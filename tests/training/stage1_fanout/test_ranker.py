@@ -11,7 +11,7 @@ from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranke
 from service.routes.answer import RouteQuery
 from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
-from training.data.splits import BENCHMARK_DIR, BenchmarkQuery, disjoint_train
+from training.data.splits import BENCHMARK_DIR, BenchmarkQuery, disjoint_train, masked_train
 from training.stage1_fanout.ranker import RankerTrainConfig, ranker_stage_config
 
 
@@ -21,7 +21,8 @@ def write_split(bundle: Path, split: str, queries: list[BenchmarkQuery]) -> None
         "".join(q.to_json() + "\n" for q in queries))
 
 
-def test_train_queries_sharing_an_item_with_val_or_test_are_left_out(tmp_path):
+def test_no_val_or_test_item_is_a_training_label(tmp_path):
+    """disjoint_train drops a train query that shares one; masked_train drops the item."""
     write_split(tmp_path, "val", [BenchmarkQuery("tree", [["oak", "elm"]], id="t")])
     write_split(tmp_path, "test", [BenchmarkQuery("fish", [["cod"]], id="f")])
     write_split(tmp_path, "train", [
@@ -32,12 +33,14 @@ def test_train_queries_sharing_an_item_with_val_or_test_are_left_out(tmp_path):
         BenchmarkQuery("rock", [], id="r"),  # no labels: nothing to learn
     ])
     assert [q.query for q in disjoint_train(tmp_path)] == ["bird"]
+    masked = {q.query: q.groups for q in masked_train(tmp_path)}
+    assert masked == {"oak": [["red oak"]], "plant": [["shrub"]], "bird": [["robin"], ["wren"]]}
 
 
 def test_the_small_bundle_ranker_is_trained_recorded_and_served(small_bundle_dir):
     record = read_manifest(small_bundle_dir)["stages"]["ranker"]
     assert record["config"] == ranker_stage_config(RankerTrainConfig())
-    assert record["n_train_queries"] == len(disjoint_train(small_bundle_dir)) > 0
+    assert record["n_train_queries"] == len(masked_train(small_bundle_dir)) > 0
     served = json.loads((small_bundle_dir / RANKER_DIR / RANKER_CONFIG).read_text())
     tried = served["trained"]["val_coverage@10"]
     assert {(t["model"], t["redundancy"]) for t in tried} == {
