@@ -14,6 +14,7 @@ from training.stage1_fanout.gguf import hf_checkpoint
 from training.stage1_fanout.grpo import (
     ABLATION,
     GRPO_PRESETS,
+    LABEL_REWARD,
     PAPER_MODES,
     REWARD_MODES,
     GrpoConfig,
@@ -59,16 +60,17 @@ def reward_mode(value: str) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """`r4t train folm [--preset P] [--reward about|all|ground|ground+align|ablation|
+    """`r4t train folm [--preset P] [--reward about|all|ground|ground+align|label|ablation|
     py:module:function]`."""
     what = subcommand_group(sub, "train", "train models")
     folm = what.add_parser("folm", help="warm start + GRPO of the fan-out LM")
     folm.add_argument("--preset", default="cpu", choices=sorted(GRPO_PRESETS))
     folm.add_argument("--reward", default=GrpoConfig.reward, type=reward_mode,
-                      help=f"one of {', '.join([*REWARD_MODES, 'ablation'])}, or "
-                      "py:module:function, your f(query, item_texts) -> float. 'all' is the "
-                      "paper's composite; 'about' the label-free objective chosen on val "
-                      "(docs/experiments.md)")
+                      help=f"one of {', '.join([*REWARD_MODES, LABEL_REWARD, 'ablation'])}, "
+                      "or py:module:function, your f(query, item_texts) -> float. 'all' is "
+                      "the paper's composite; 'about' the label-free objective chosen on val "
+                      "(docs/experiments.md); 'label' a positive control: coverage of the "
+                      "labeled train queries' groups")
     folm.add_argument("--steps", type=positive, default=None,
                       help="GRPO steps (default: the preset's)")
     folm.add_argument("--ablation-best-of", type=non_negative, default=64,

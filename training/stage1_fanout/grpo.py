@@ -42,8 +42,7 @@ REWARD_MODES: dict[str, tuple[str, ...]] = {
     "ground+align": ("ground", "alignment"),
     "all": ("ground", "diversity", "alignment"),  # the paper's composite
     "about": ("about",),
-    "label": ("label",),  # LABEL_REWARD
-}
+}  # the label-free rewards (training/evaluation/objectives.py measures each before training)
 PAPER_MODES = ("ground", "ground+align", "all")  # `--reward ablation`: which paper terms count
 # a positive control, not a recipe: coverage@10 of a labeled train query's groups, val's and
 # test's items masked out (`training.data.splits.masked_train`, the ranker's), which GRPO then
@@ -284,8 +283,11 @@ def reward_terms_of(mode: str) -> tuple[str, ...]:
     if mode.startswith(USER_REWARD):
         user_reward(mode)
         return ("user",)
+    if mode == LABEL_REWARD:
+        return (LABEL_REWARD,)
     if mode not in REWARD_MODES:
-        raise InputError(f"unknown reward {mode!r}; use one of {sorted(REWARD_MODES)} or "
+        raise InputError(f"unknown reward {mode!r}; use one of {sorted(REWARD_MODES)}, "
+                         f"{LABEL_REWARD} or "
                          f"{USER_REWARD}module:function")
     return REWARD_MODES[mode]
 
