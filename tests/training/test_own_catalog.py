@@ -15,10 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.artifacts.bundle import read_manifest
+from service.artifacts.bundle import ROUTES_FILE, read_manifest
 from service.command import main
 from service.loopback import free_port, wait_ready
 from tests.training.stage1_fanout.test_policy import write_tiny_sources
+from training.evaluation.routes import RoutesConfig, choose
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 BUNDLE = "models/mine"
@@ -85,7 +86,11 @@ def test_the_readme_commands_build_evaluate_and_serve_my_catalog(own, capsys) ->
     code, out = run_r4t(evaluation, own, capsys)
     assert code == 0
     assert all((own / BUNDLE / "eval" / f"{m}-val.json").is_file()
-               for m in ("single", "ranked", "diffusion"))
+               for m in ("single", "hybrid", "ranked", "diffusion"))
+    measured = json.loads((own / BUNDLE / ROUTES_FILE).read_text())  # the free heuristic too
+    assert {"single", "hybrid", "ranked", "diffusion"} <= set(measured["table"])
+    best = choose(measured["table"], RoutesConfig())
+    assert measured["weights"].split("=")[0] == best
 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "service.command", *serve, "--port",
@@ -99,6 +104,8 @@ def test_the_readme_commands_build_evaluate_and_serve_my_catalog(own, capsys) ->
         assert answer.status_code == 200
         body = answer.json()
         assert body["route"] == "diffusion" and not body["fallback"]["used"]
+        routing = httpx.get(f"{url}/v1/info", timeout=30).json()["served"]["routing"]
+        assert max(routing["weights"], key=routing["weights"].get) == best
         ids = {json.loads(line)["id"] for line in (own / "my.jsonl").read_text().splitlines()}
         assert len(body["items"]) == 5 and {item["id"] for item in body["items"]} <= ids
     finally:
