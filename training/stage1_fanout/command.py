@@ -20,6 +20,7 @@ from training.stage1_fanout.grpo import (
     GrpoConfig,
     resolve_config,
     reward_terms_of,
+    training_queries_of,
 )
 from training.stage1_fanout.grpo_run import train_grpo
 from training.stage1_fanout.warmstart import resolve_config as warm_config
@@ -28,6 +29,8 @@ from training.stage1_fanout.warmstart import warm_start
 
 def cmd_train_folm(args: argparse.Namespace) -> None:
     started = time.perf_counter()
+    if args.reward == LABEL_REWARD:
+        training_queries_of(args.bundle, LABEL_REWARD)  # no labels: say so before the warm start
     init = hf_checkpoint(args.init) if args.init else warm_start(
         args.bundle, warm_config(args.preset, threads=args.threads), force=args.force_warmstart)
     if args.warmstart_only:

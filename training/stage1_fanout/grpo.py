@@ -274,7 +274,11 @@ def training_queries_of(bundle_dir: Path, mode: str) -> list[str]:
     """What GRPO trains on: the train split's texts, or for the label reward the labeled
     train queries (their held-out items masked: the labels it may read)."""
     if mode == LABEL_REWARD:
-        return list(labeled_groups(bundle_dir))
+        labeled = list(labeled_groups(bundle_dir))
+        if not labeled:
+            raise InputError(f"--reward {LABEL_REWARD} needs labeled train queries: the "
+                             "benchmark's train split has no groups outside val and test")
+        return labeled
     return query_texts(bundle_dir, "train")
 
 

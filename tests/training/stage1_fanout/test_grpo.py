@@ -119,6 +119,20 @@ def test_the_label_reward_is_the_share_of_a_labeled_train_querys_groups_reached(
     assert funcs[0]([""], [format_fanout(other)], query=[query]) == [0.0]
 
 
+def test_the_label_reward_without_labeled_train_queries_is_a_clear_error(tmp_path: Path) -> None:
+    from tests.training.stage1_fanout.test_ranker import write_split
+    from training.data.splits import BenchmarkQuery
+    from training.stage1_fanout.grpo import training_queries_of
+
+    write_split(tmp_path, "val", [BenchmarkQuery("tree", [["oak"]], id="t")])
+    write_split(tmp_path, "test", [])
+    write_split(tmp_path, "train", [BenchmarkQuery("oak", [["oak"]], id="o"),  # only held out
+                                    BenchmarkQuery("rock")])  # no labels
+    with pytest.raises(InputError, match="labeled train queries"):
+        training_queries_of(tmp_path, "label")
+    assert training_queries_of(tmp_path, "about") == ["oak", "rock"]
+
+
 def test_aboutness_is_the_share_of_items_whose_text_the_lexical_index_matches(
     scorer: FanoutScorer,
 ) -> None:
