@@ -17,6 +17,7 @@ from service.fanout.format import PROMPT_RECIPE
 from service.fanout.grounding import PromptNeighbourhood
 from service.routes.picks import PickingRoute
 from service.runtime.encoder import Encoder
+from service.runtime.segments import first_occurrences
 
 SOURCE = "hybrid"
 
@@ -43,9 +44,5 @@ class HybridRoute(PickingRoute):
         """A prompt of max(k, the recipe's context) names, its first k (distinct: a short
         neighbourhood repeats its names to fill the prompt)."""
         rows = self.lookup.rows(texts, queries, max(self.lookup.n, *ks))  # (Q, n)
-        return [_distinct(row)[:k] for row, k in zip(rows, ks, strict=True)]
-
-
-def _distinct(rows: np.ndarray) -> np.ndarray:
-    _, first = np.unique(rows, return_index=True)
-    return rows[np.sort(first)]
+        first = first_occurrences(rows)  # (Q, n)
+        return [row[keep][:k] for row, keep, k in zip(rows, first, ks, strict=True)]

@@ -233,20 +233,27 @@ def user_reward(mode: str) -> Callable[[str, list[str]], float]:
     return function
 
 
-def user_reward_function(scorer: FanoutScorer, function: Callable[[str, list[str]], float],
+def item_reward_function(scorer: FanoutScorer, name: str, score: Callable[[str, list[int]], float],
                          logger: Callable[..., list[float]]) -> Callable[..., list[float]]:
-    """TRL reward f(prompts, completions, query=...): the user's score of each completion's
-    items (texts, in slot order); `logger` logs the paper's terms beside it."""
+    """TRL reward f(prompts, completions, query=...) named `name`: `score(query, rows)` of the
+    catalog rows each completion's slots resolve to; `logger` logs the paper's terms beside it."""
 
-    def user(prompts: list[str], completions: list[str], query: list[str],
-             **kwargs: Any) -> list[float]:
+    def reward(prompts: list[str], completions: list[str], query: list[str],
+               **kwargs: Any) -> list[float]:
         logger(prompts, completions, query=query, **kwargs)
         rows = scorer.item_rows(list(query), list(completions))
-        texts = scorer.bundle.items.texts
-        return [float(function(q, [texts[r] for r in row])) for q, row in zip(query, rows,
-                                                                             strict=True)]
+        return [float(score(q, row)) for q, row in zip(query, rows, strict=True)]
 
-    return user
+    reward.__name__ = name
+    return reward
+
+
+def user_reward_function(scorer: FanoutScorer, function: Callable[[str, list[str]], float],
+                         logger: Callable[..., list[float]]) -> Callable[..., list[float]]:
+    """The user's score of each completion's items (texts, in slot order)."""
+    texts = scorer.bundle.items.texts
+    return item_reward_function(scorer, "user",
+                                lambda q, rows: function(q, [texts[r] for r in rows]), logger)
 
 
 def labeled_groups(bundle_dir: Path) -> dict[str, list[list[str]]]:
@@ -256,18 +263,11 @@ def labeled_groups(bundle_dir: Path) -> dict[str, list[list[str]]]:
 
 def label_reward_function(scorer: FanoutScorer, groups: dict[str, list[list[str]]],
                           logger: Callable[..., list[float]]) -> Callable[..., list[float]]:
-    """TRL reward f(prompts, completions, query=...): the share of the query's labeled groups
-    its items reach (coverage@10); `logger` logs the label-free terms beside it."""
+    """The share of the query's labeled groups its items reach (coverage@10)."""
     ids = scorer.bundle.items.ids
-
-    def label(prompts: list[str], completions: list[str], query: list[str],
-              **kwargs: Any) -> list[float]:
-        logger(prompts, completions, query=query, **kwargs)
-        rows = scorer.item_rows(list(query), list(completions))
-        return [group_hit_rate({ids[r] for r in row}, groups[q])
-                for q, row in zip(query, rows, strict=True)]
-
-    return label
+    return item_reward_function(
+        scorer, LABEL_REWARD, lambda q, rows: group_hit_rate({ids[r] for r in rows}, groups[q]),
+        logger)
 
 
 def training_queries_of(bundle_dir: Path, mode: str) -> list[str]:
