@@ -112,9 +112,10 @@ class SynthesisConfig:
 
 
 SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
-    # the ranker, the teacher that measured best on val, sampled at T = 0.5, which its student
-    # learned better from than the paper's 0.9 (docs/experiments.md, 2026-12-04 night)
-    "cpu": SynthesisConfig(teacher="ranker", temperature=0.5),
+    # the ranker, the teacher that measured best on val, at T = 0 (its served answer): its
+    # student learned better from sharper blocks than from the paper's 0.9 or from 0.5
+    # (docs/experiments.md, 2026-12-04 late)
+    "cpu": SynthesisConfig(teacher="ranker", temperature=0.0),
     "tiny": SynthesisConfig(samples_per_query=6, extra_queries=0, max_new_tokens=48,
                             shard_queries=3, teacher="ranker"),
     # the paper's 128 samples per query and its temperature, decoded as GRPO sampled the LLM

@@ -5,9 +5,10 @@ a block of L item-embedding rows, with classifier-free guidance.
 is conditioned on the query embedding and the noise level by adaLN-Zero (DiT); the conditioning
 vector is also added to every row token, or the zero-initialised gates learn the query slowly.
 The rows are a set (no positions: the network is permutation-equivariant over them) unless
-`ordered`: then each row carries a learnt position and training sorts every target block by
-cosine to the query, so row i learns "the i-th nearest chosen item" and rows stop competing
-for one item.
+`ordered`: then each row carries a learnt position and row i learns one slot of the block, so
+rows stop competing for one item: the i-th chosen item by cosine to the query, or the i-th as
+its teacher wrote it (the training config's `target_order`; a ranker's picks follow the ranks
+its context carries).
 
 With a context (`context` = C > 0) the rows also cross-attend to C catalog items, best first,
 with a learnt rank embedding, so the network need not memorise the catalog's geometry.
@@ -54,7 +55,7 @@ class DenoiserConfig:
     cond_drop: float = 0.1  # condition dropout for classifier-free guidance
     fourier: int = 64  # noise-level Fourier features
     context: int = 0  # C, catalog items the rows cross-attend to; 0 = none
-    ordered: bool = False  # rows carry learnt positions; targets sorted by cosine to the query
+    ordered: bool = False  # rows carry learnt positions (TrainConfig.target_order says which)
     # which C items: "nearest", the query's C nearest; "prompt", the C items the teacher's
     # prompt names (service.fanout.grounding.PromptNeighbourhood); "ranked", the ranker's best C
     # (service.fanout.ranker.RankedNeighbourhood), for a student distilled from the ranker

@@ -36,6 +36,7 @@ RUN_NAME = "diffusion"
 CHECKPOINT = "checkpoint.pt"
 LOSS_FILE = "loss.json"
 CURVE_FILE = "loss_curve.png"
+TARGET_ORDERS = ("query", "teacher")
 
 
 @dataclass(frozen=True)
@@ -52,15 +53,29 @@ class TrainConfig:
     checkpoint_every: int = 500
     log_every: int = 25
     seed: int = 0
+    # an ordered model's row i: "query", the block's i-th item by cosine to the query; "teacher",
+    # its i-th as the teacher wrote it (a ranker's pick order, which follows its context's ranks)
+    target_order: str = "query"
+
+    def __post_init__(self) -> None:
+        if self.target_order not in TARGET_ORDERS:
+            raise InputError(f"target_order must be one of {TARGET_ORDERS}, "
+                             f"got {self.target_order!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"model": self.model.to_dict()}  # model: defaults left out
+        """As a dict, the model's and the target order's defaults left out (so the hashes of
+        runs written before that option existed stay the same)."""
+        config = asdict(self) | {"model": self.model.to_dict()}
+        if config["target_order"] == "query":
+            del config["target_order"]
+        return config
 
 
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     "paper": TrainConfig(model=preset("paper"), steps=10_000_000, batch=512, lr=1e-4,
                          warmup=5000, checkpoint_every=1000),
-    "cpu": TrainConfig(model=preset("cpu"), steps=4500),  # fits a CPU build (docs/experiments.md)
+    # fits a CPU build; rows in the ranker's pick order chose better (docs/experiments.md)
+    "cpu": TrainConfig(model=preset("cpu"), steps=4500, target_order="teacher"),
     "tiny": TrainConfig(model=preset("tiny"), steps=20, batch=16, warmup=2,
                         checkpoint_every=10, log_every=5),
 }
@@ -218,7 +233,7 @@ def batch_of(data: BlockDataset, config: TrainConfig, generator: torch.Generator
                                                   dtype=np.float32)).to(device)
     target = torch.from_numpy(np.ascontiguousarray(data.target_emb[picks],
                                                    dtype=np.float32)).to(device)
-    if config.model.ordered:
+    if config.model.ordered and config.target_order == "query":
         target = sorted_by_query(target, query)
     rows = rows_from_block(target, config.model.rows, generator)  # (B, L, d)
     return query, rows, None if context is None else context.of(picks, device)
@@ -321,7 +336,8 @@ def cmd_train_diffusion(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = train_preset(args.preset, **given(args, "steps", "batch", "lr", "seed"))
+    config = train_preset(args.preset, **given(args, "steps", "batch", "lr", "seed",
+                                               "target_order"))
     model = given(args, "context_source", "layers", "hidden", "mlp", "heads")
     if model:  # DenoiserConfig refuses a bad value with an InputError
         config = replace(config, model=replace(config.model, **model))

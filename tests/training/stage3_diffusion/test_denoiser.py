@@ -1,5 +1,6 @@
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -174,6 +175,20 @@ def test_ordered_rows_sort_each_block_by_cosine_to_the_query_and_carry_positions
     perm = torch.flip(torch.arange(10), [0])
     out = model(x, sigma, q)
     assert not torch.allclose(model(x[:, perm], sigma, q), out[:, perm], atol=1e-3)
+
+
+def test_teacher_target_order_keeps_each_block_as_written_and_leaves_old_hashes_alone():
+    data = synthetic_blocks()
+    config = train_preset("tiny", model=preset("tiny", ordered=True), target_order="teacher")
+    generator = torch.Generator().manual_seed(1)
+    picks = torch.randint(0, len(data.query_emb), (config.batch,), generator=generator)
+    _, target, _ = batch_of(data, config, torch.Generator().manual_seed(1))
+    assert torch.equal(target, torch.from_numpy(data.target_emb[picks.numpy()]))
+    by_query = replace(config, target_order="query")
+    assert "target_order" not in by_query.to_dict()  # runs written before the option match
+    assert config.to_dict()["target_order"] == "teacher"
+    with pytest.raises(InputError, match="target_order"):
+        replace(config, target_order="random")
 
 
 def test_denoiser_is_permutation_equivariant_over_rows():
