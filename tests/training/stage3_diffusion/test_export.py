@@ -80,12 +80,14 @@ def test_export_commits_a_verified_diffusion_stage(tmp_path):
     assert not [p for p in bundle_dir.iterdir() if p.name.startswith(".stage")]
 
 
-@pytest.mark.parametrize(("form", "solver"), [("unrolled", "euler"), ("loop", "heun")])
-def test_a_model_with_context_exports_with_parity(tmp_path, form, solver):
+@pytest.mark.parametrize(("form", "solver", "head"), [("unrolled", "euler", "vector"),
+                                                     ("loop", "heun", "vector"),
+                                                     ("unrolled", "euler", "context")])
+def test_a_model_with_context_exports_with_parity(tmp_path, form, solver, head):
     from training.stage3_diffusion.export import write_sampler
 
     torch.set_num_threads(1)
-    model, _ = load_ema(tiny_checkpoint(tmp_path / "run", context=4))
+    model, _ = load_ema(tiny_checkpoint(tmp_path / "run", context=4, head=head))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
