@@ -46,9 +46,6 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--context-source", default=None, choices=CONTEXT_SOURCES,
                        help="the context items: the query's nearest, the prompt's, or the "
                             "ranker's best (default: the preset's)")
-    train.add_argument("--head", default=None,
-                       help="vector (EDM's output) or context (a mixture of the context items, "
-                            "trained by cross-entropy); default: the preset's")
     for size, what in (("layers", "transformer blocks"), ("hidden", "width"),
                        ("mlp", "MLP width"), ("heads", "attention heads; divide --hidden")):
         train.add_argument(f"--{size}", type=positive, default=None,

@@ -18,12 +18,6 @@ chose
 from; or "nearest", the query's C nearest. CFG's null condition drops the query and the
 cross-attention.
 
-Context head (`head="context"`): instead of EDM's c_skip·x + c_out·F, D is a mixture of the C
-context items, softmax(logits)·context, with logits (B, L, C) from the last hidden rows against
-keys of the items and their ranks (CDCD's score interpolation, Dieleman et al. 2022), trained by
-cross-entropy on which item each row is. A teacher that picks among the context writes exactly
-such rows, which the vector head has to learn to land on.
-
 Rows vs slots: with L = k row i is slot i; with L > k training fills the extra rows with copies
 of items of the same block, and serving keeps the k rows that resolve most confidently.
 """
@@ -43,9 +37,7 @@ from service.fanout.format import PROMPT_RECIPE
 from service.routes.diffusion import CONTEXT_SOURCES
 
 # Options of earlier configs whose other values were removed: their surviving value.
-REMOVED_OPTIONS: dict[str, str] = {"conditioning": "adaln"}
-# "vector": EDM's c_skip·x + c_out·F; "context": a mixture of the C context items (below)
-HEADS = ("vector", "context")
+REMOVED_OPTIONS: dict[str, str] = {"conditioning": "adaln", "head": "vector"}
 
 
 @dataclass(frozen=True)
@@ -70,13 +62,8 @@ class DenoiserConfig:
     context_source: str = "nearest"
     # where the prompt's names come from (service.fanout.candidates), as the teacher's were
     candidates: str = UNRECORDED_SOURCE
-    head: str = "vector"  # HEADS
 
     def __post_init__(self) -> None:
-        if self.head not in HEADS:
-            raise InputError(f"head must be one of {HEADS}, got {self.head!r}")
-        if self.head == "context" and self.context == 0:
-            raise InputError("head='context' mixes the context items: it needs context > 0")
         if self.context_source not in CONTEXT_SOURCES:
             raise InputError(f"context_source must be one of {CONTEXT_SOURCES}, "
                              f"got {self.context_source!r}")
@@ -96,8 +83,6 @@ class DenoiserConfig:
             del config["context_source"]
         if config["candidates"] == UNRECORDED_SOURCE:
             del config["candidates"]
-        if config["head"] == "vector":
-            del config["head"]
         return config
 
     @classmethod
@@ -228,9 +213,6 @@ class Denoiser(nn.Module):
         self.final_norm = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
         self.final_mod = nn.Linear(h, 2 * h)
         self.head = nn.Linear(h, config.dim)
-        if config.head == "context":  # the rows' keys into the C items they mix
-            self.pointer = nn.Linear(config.dim, h)
-            self.pointer_rank = nn.Parameter(torch.zeros(config.context, h))  # (C, hidden)
         for layer in (self.head, self.final_mod):  # zero-initialised: D starts as c_skip·x
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
@@ -251,21 +233,9 @@ class Denoiser(nn.Module):
                 context: torch.Tensor | None = None) -> torch.Tensor:
         """D (B, L, d) at noisy rows x (B, L, d), σ (B,), query (B, d), context (B, C, d) when
         the model has one; keep (B,) is 1 to keep the condition, 0 for CFG's null one."""
-        if self.config.head == "context":
-            weights = torch.softmax(self.context_logits(x, sigma, query, keep, context), -1)
-            return weights @ context  # (B, L, C) @ (B, C, d) = (B, L, d)
         c_skip, c_out, c_in, c_noise = self.preconditioning(sigma)
-        f = self.head(self.network(c_in[:, None, None] * x, c_noise, query, keep, context))
-        return c_skip[:, None, None] * x + c_out[:, None, None] * f  # (B, L, d)
-
-    def context_logits(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
-                       keep: torch.Tensor | None, context: torch.Tensor) -> torch.Tensor:
-        """The context head's logits (B, L, C): which of its C items each row is (CDCD's
-        score interpolation, Dieleman et al. 2022; trained by cross-entropy)."""
-        _, _, c_in, c_noise = self.preconditioning(sigma)
-        h = self.network(c_in[:, None, None] * x, c_noise, query, keep, context)  # (B, L, hidden)
-        keys = self.pointer(context) + self.pointer_rank  # (B, C, hidden)
-        return h @ keys.transpose(1, 2) / math.sqrt(self.config.hidden)  # (B, L, C)
+        f = self.network(c_in[:, None, None] * x, c_noise, query, keep, context)  # (B, L, d)
+        return c_skip[:, None, None] * x + c_out[:, None, None] * f
 
     def guided(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
                cfg_weight: float, context: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,8 +254,7 @@ class Denoiser(nn.Module):
     def network(self, x: torch.Tensor, c_noise: torch.Tensor, query: torch.Tensor,
                 keep: torch.Tensor | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:
-        """The last hidden rows (B, L, hidden) of F_θ, for the scaled rows c_in·x (B, L, d) and
-        c_noise (B,); a head reads them out."""
+        """F_θ (B, L, d) of the scaled rows c_in·x (B, L, d) and c_noise (B,)."""
         c = self.condition(c_noise, query, keep)  # (B, hidden)
         memory = self.context_memory(context, keep)
         # c enters every row token too: through the zero-initialised modulations alone the
@@ -297,7 +266,8 @@ class Denoiser(nn.Module):
             h = block(h, c, memory)  # (B, L, hidden)
         h = self.final_norm(h)
         shift, scale = self.final_mod(nn.functional.silu(c))[:, None, :].chunk(2, dim=-1)
-        return h * (1 + scale) + shift  # (B, L, hidden)
+        h = h * (1 + scale) + shift  # (B, L, hidden)
+        return self.head(h)  # (B, L, d)
 
     def condition(self, c_noise: torch.Tensor, query: torch.Tensor,
                   keep: torch.Tensor | None) -> torch.Tensor:

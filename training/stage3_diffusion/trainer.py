@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from service.artifacts.bundle import config_hash, git_commit
@@ -114,8 +113,6 @@ def dsm_loss(model: Denoiser, query: torch.Tensor, target: torch.Tensor,
     target rows (B, L, d) and context (B, C, d) or None.
 
     ln σ ~ N(P_mean, P_std²); the query is replaced by the null condition with p = cond_drop.
-    A context head is trained instead by the cross-entropy of which context item each row is,
-    unweighted over the same noise levels (its D is a mixture of those items).
     """
     b = target.shape[0]
     device = generator.device
@@ -125,10 +122,6 @@ def dsm_loss(model: Denoiser, query: torch.Tensor, target: torch.Tensor,
     noisy = target + sigma[:, None, None] * noise
     keep = (torch.rand(b, generator=generator, device=device)
             >= config.model.cond_drop).float()  # (B,)
-    if config.model.head == "context":  # each row's item in the context: its nearest there
-        logits = model.context_logits(noisy, sigma, query, keep, context)  # (B, L, C)
-        labels = (target @ context.transpose(1, 2)).argmax(dim=-1)  # (B, L)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     denoised = model(noisy, sigma, query, keep, context)  # (B, L, d)
     sd = config.model.sigma_data
     weight = (sigma**2 + sd**2) / (sigma * sd) ** 2  # (B,)
@@ -345,7 +338,7 @@ def cmd_train_diffusion(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     config = train_preset(args.preset, **given(args, "steps", "batch", "lr", "seed",
                                                "target_order"))
-    model = given(args, "context_source", "layers", "hidden", "mlp", "heads", "head")
+    model = given(args, "context_source", "layers", "hidden", "mlp", "heads")
     if model:  # DenoiserConfig refuses a bad value with an InputError
         config = replace(config, model=replace(config.model, **model))
     run_dir = args.run_dir or args.bundle / "runs" / RUN_NAME

@@ -191,34 +191,6 @@ def test_teacher_target_order_keeps_each_block_as_written_and_leaves_old_hashes_
         replace(config, target_order="random")
 
 
-def test_context_head_writes_a_mixture_of_the_context_items():
-    model = _randomised(context=4, head="context")
-    context = torch.nn.functional.normalize(torch.randn(2, 4, 128), dim=-1)
-    x, sigma, query = torch.randn(2, 10, 128), torch.tensor([0.05, 1.0]), torch.randn(2, 128)
-    weights = torch.softmax(model.context_logits(x, sigma, query, None, context), dim=-1)
-    assert torch.allclose(model(x, sigma, query, context=context), weights @ context, atol=1e-6)
-    assert "head" not in preset("cpu").to_dict()  # runs written before the option match
-    with pytest.raises(InputError, match="needs context"):
-        preset("tiny", head="context")
-    with pytest.raises(InputError, match="head must be"):
-        preset("tiny", context=4, head="pointer")
-
-
-def test_one_training_step_lowers_the_context_heads_cross_entropy():
-    data = synthetic_blocks()
-    model = preset("tiny", context=4, head="context")
-    config = train_preset("tiny", lr=3e-3, warmup=1, model=model)
-    state = new_state(config)
-    query, _, _ = batch_of(data, config, torch.Generator().manual_seed(1))
-    context = torch.nn.functional.normalize(torch.randn(len(query), 4, 128), dim=-1)
-    target = context[:, torch.arange(10) % 4]  # (B, L, d): every row one context item
-    before = _fixed_loss(state, config, query, target, context)
-    assert before == pytest.approx(math.log(4), abs=0.5)  # the cross-entropy over 4 items
-    state.generator = torch.Generator().manual_seed(7)
-    train_step(state, config, query, target, context)
-    assert _fixed_loss(state, config, query, target, context) < before
-
-
 def test_denoiser_is_permutation_equivariant_over_rows():
     model = _randomised()
     x, query = torch.randn(2, 10, 128), torch.randn(2, 128)
