@@ -114,7 +114,8 @@ class SynthesisConfig:
 SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
     # the ranker, the teacher that measured best on val, at T = 0 (its served answer): its
     # student learned better from sharper blocks than from the paper's 0.9 or from 0.5
-    # (docs/experiments.md, 2026-12-04 late)
+    # (docs/experiments.md, 2026-12-04 late). A query's blocks are then copies: their counts
+    # only weight the train split's queries (64) over the extra names (8).
     "cpu": SynthesisConfig(teacher="ranker", temperature=0.0),
     "tiny": SynthesisConfig(samples_per_query=6, extra_queries=0, max_new_tokens=48,
                             shard_queries=3, teacher="ranker"),
