@@ -91,8 +91,13 @@ def synthesize_blocks(bundle_dir: Path, teacher: str, config: SynthesisConfig, c
         for i, (rows, scores) in enumerate(scored(texts, vectors), start=start):
             best = np.argsort(-scores, kind="stable")[:context]
             rows, scores = rows[best], scores[best]  # (C,) the student's context
+            served = None  # at T = 0 every sample is the ranker's one answer: chosen once
+            if groups is None and config.temperature == 0:
+                served = scored.ranker.choose(scores, embeddings[rows], config.k)
             for _ in range(samples[i]):
-                if groups is None:
+                if served is not None:
+                    picks = served
+                elif groups is None:
                     picks = ranker_block(scores, embeddings[rows], scored, config.k,
                                          config.temperature, rng)
                 else:
