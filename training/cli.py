@@ -133,7 +133,8 @@ def cmd_ship(args: argparse.Namespace) -> None:
 
 CURVE_STAGES = {"ceilings": ("catalog", "benchmark"),
                 "steps_curve": ("catalog", "lexical", "benchmark", "diffusion"),
-                "index_curve": ("catalog", "lexical", "benchmark", "diffusion")}
+                "index_curve": ("catalog", "lexical", "benchmark", "diffusion"),
+                "ranker_curve": ("catalog", "lexical", "benchmark", "ranker")}
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -156,6 +157,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
         fanout = "diffusion" if args.method == "all" else args.method
         run_trigger_curve(args.bundle, args.split, fanout)
+    elif args.ranker_curve:
+        from training.evaluation.ranker_curve import run_ranker_curve
+
+        run_ranker_curve(args.bundle, args.split)
     elif args.index_curve:
         from training.evaluation.index_curve import run_index_curve
 
@@ -284,6 +289,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--index-curve", action="store_true",
                     help="single and diffusion quality and search ms under each R4T_INDEX "
                          "choice (exact, HNSW at three efSearch) instead")
+    ev.add_argument("--ranker-curve", action="store_true",
+                    help="the ranker's learning curve in labeled train queries (tuned on val, "
+                         "scored on the split) and the served ranker against perfect-spread "
+                         "and perfect-membership oracles instead")
     ev.set_defaults(func=cmd_eval)
 
     table = sub.add_parser("table", help="print the bundle's evaluation table",
