@@ -2,7 +2,8 @@
 
 A broad query's members rarely sit near it in embedding space ("camp" → "campsite"), but their
 texts name it, and where they name it says how: WordNet's "tent: a portable shelter ..." is a
-kind of shelter because "shelter" is the head of its gloss. Candidates are the hybrid list
+kind of shelter because "shelter" is the head of its gloss, and the words around the mention say
+more ("any dog of", "not communicable"). Candidates are the hybrid list
 (service.fanout.candidates) and the items whose text holds every word of the query, the nearest
 `mentions` of them by embedding; each gets one feature row (FEATURES). One definition for the
 ranker's training (training/stage1_fanout/ranker.py), its evaluation and the served route.
@@ -33,11 +34,33 @@ FEATURES = (
     "name_holds_query",  # 1 when the item's name shares a word with the query
     "head_match",  # 1 when the item's name ends with the query's last word
     "text_words",  # words in the item's text
+    # the description's words either side of the mention ("any *dog* of", "not *communicable*"),
+    # as ids in the vocabulary the ranker learned (MentionWords): categorical
+    "word_before_mention",
+    "word_after_mention",
 )
+CATEGORICAL = ("word_before_mention", "word_after_mention")
+NO_MENTION, START, END = "<none>", "<start>", "<end>"  # the neighbours of no, a first, a last word
 ABSENT_RANK = 99.0
 EARLY = 3  # "a portable shelter": the genus sits in a gloss's first words
 MENTION_CACHE = 1024  # queries whose mention lists are kept (a batch's, and repeats)
 ROW_CACHE = 1 << 17  # items whose parts and name fan-in are kept (features are per item)
+
+
+@dataclass(frozen=True)
+class MentionWords:
+    """The words either side of a mention the ranker tells apart, most frequent first; any other
+    word is one id past the list's end."""
+
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+
+    def ids(self, before: str, after: str) -> tuple[float, float]:
+        return (float(index_of(self.before, before)), float(index_of(self.after, after)))
+
+
+def index_of(words: tuple[str, ...], word: str) -> int:
+    return words.index(word) if word in words else len(words)
 
 
 @dataclass(frozen=True)
@@ -51,12 +74,14 @@ class CandidateSizes:
 class MentionFeatures:
     """A query's candidate rows and their feature rows (C, len(FEATURES))."""
 
-    def __init__(self, bundle: Bundle, sizes: CandidateSizes = CandidateSizes()) -> None:
+    def __init__(self, bundle: Bundle, sizes: CandidateSizes = CandidateSizes(),
+                 words: MentionWords = MentionWords()) -> None:
         if bundle.lexical is None:
             raise ValueError("mention features need the bundle's lexical index")
         self.lexical: LexicalIndex = bundle.lexical
         self.hybrid = Candidates.of(bundle, "hybrid")
         self.texts, self.embeddings, self.sizes = bundle.items.texts, bundle.items.embeddings, sizes
+        self.words = words
         # per-item caches over functions that do not hold `self`: a cache holding its owner
         # is a reference cycle, which would keep a retired bundle until a full collection
         self.name_fanin = functools.lru_cache(maxsize=ROW_CACHE)(
@@ -97,15 +122,40 @@ class MentionFeatures:
     def _row(self, row: int, rank: int, asked: list[str], mentions: bool, similarity: float,
              listed: bool) -> list[float]:
         name, described, size = self.parts(row)
-        position = next((i for i, t in enumerate(described) if t in asked), None)
+        position = mention_position(described, asked)
         return [similarity, rank if listed else ABSENT_RANK, float(mentions),
                 ABSENT_RANK if position is None else position,
                 float(position is not None and position < EARLY),
                 math.log1p(self.name_fanin(row)), len(name), float(bool(set(name) & set(asked))),
-                float(bool(name) and bool(asked) and name[-1] == asked[-1]), size]
+                float(bool(name) and bool(asked) and name[-1] == asked[-1]), size,
+                *self.words.ids(*neighbours(described, asked, position))]
+
+    def neighbours(self, text: str, rows: np.ndarray) -> list[tuple[str, str]]:
+        """Per candidate row, the description's words before and after the query's mention."""
+        asked = self.tokens(text)
+        out = []
+        for row in rows.tolist():
+            described = self.parts(row)[1]
+            out.append(neighbours(described, asked, mention_position(described, asked)))
+        return out
 
     def tokens(self, text: str) -> list[str]:
         return index_tokens(self.lexical, text)
+
+
+def mention_position(described: tuple[str, ...], asked: list[str]) -> int | None:
+    """The first word of a description that is a query word, or None."""
+    return next((i for i, t in enumerate(described) if t in asked), None)
+
+
+def neighbours(described: tuple[str, ...], asked: list[str], position: int | None
+               ) -> tuple[str, str]:
+    """The words before and after a mention at `position` spanning the query's length."""
+    if position is None:
+        return NO_MENTION, NO_MENTION
+    after = position + len(asked)
+    return (described[position - 1] if position else START,
+            described[after] if after < len(described) else END)
 
 
 def index_tokens(lexical: LexicalIndex, text: str) -> list[str]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.errors import BundleError
-from service.fanout.mentions import FEATURES, CandidateSizes, MentionFeatures
+from service.fanout.mentions import FEATURES, CandidateSizes, MentionFeatures, MentionWords
 
 RANKER_DIR = "ranker"
 RANKER_CONFIG = "ranker.json"
@@ -37,15 +37,19 @@ class RankerConfig:
     redundancy: float = 1.0  # λ: a pick's score − λ × its highest cosine to an earlier pick
     features: tuple[str, ...] = FEATURES
     model: str | None = RANKER_MODEL
+    words: MentionWords = field(default_factory=MentionWords)  # learned with the model
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "features": list(self.features)}
+        return {**asdict(self), "features": list(self.features),
+                "words": {side: list(found) for side, found in asdict(self.words).items()}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankerConfig:
+        words = {side: tuple(found) for side, found in data.get("words", {}).items()}
         return cls(sizes=CandidateSizes(**data.get("sizes", {})),
                    redundancy=float(data.get("redundancy", 1.0)),
-                   features=tuple(data.get("features", FEATURES)), model=data.get("model"))
+                   features=tuple(data.get("features", FEATURES)), model=data.get("model"),
+                   words=MentionWords(**words))
 
 
 class Ranker:
@@ -103,7 +107,8 @@ class ScoredCandidates:
 
     def __init__(self, bundle: Bundle, ranker: Ranker | None = None) -> None:
         self.ranker = ranker or Ranker.load(bundle.path / RANKER_DIR)
-        self.features = MentionFeatures(bundle, self.ranker.config.sizes)
+        config = self.ranker.config
+        self.features = MentionFeatures(bundle, config.sizes, config.words)
 
     def __call__(self, texts: Sequence[str], queries: np.ndarray
                  ) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -15,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
-from service.fanout.mentions import CandidateSizes
+from service.fanout.mentions import CandidateSizes, MentionWords
 from service.fanout.ranker import Ranker, RankerConfig
 from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
@@ -28,6 +28,7 @@ from training.stage1_fanout.ranker import (
     coverage,
     fit,
     labeled,
+    learn_words,
 )
 
 SHARES = (0.25, 0.5, 0.75, 1.0)
@@ -45,15 +46,17 @@ def query_blocks(path: RankedRoute, train: list[BenchmarkQuery], held: set[str]
 
 
 def tuned(bundle: Bundle, encoder: Encoder, sizes: CandidateSizes, booster: Any,
-          val: list[BenchmarkQuery], redundancies: tuple[float, ...]) -> tuple[float, float]:
+          val: list[BenchmarkQuery], redundancies: tuple[float, ...], words: MentionWords
+          ) -> tuple[float, float]:
     """(val coverage@10, redundancy) of the booster at its best redundancy on val."""
-    return max((coverage(route(bundle, encoder, sizes, booster, weight), val), weight)
+    return max((coverage(route(bundle, encoder, sizes, booster, weight, words), val), weight)
                for weight in redundancies)
 
 
 def route(bundle: Bundle, encoder: Encoder, sizes: CandidateSizes, booster: Any,
-          redundancy: float) -> RankedRoute:
-    return RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes, redundancy), booster))
+          redundancy: float, words: MentionWords | None = None) -> RankedRoute:
+    config = RankerConfig(sizes, redundancy, words=words or MentionWords())
+    return RankedRoute(bundle, encoder, Ranker(config, booster))
 
 
 def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHARES,
@@ -65,8 +68,10 @@ def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHA
     bundle = load_bundle(bundle_dir)
     encoder = Encoder(bundle.encoder_config)
     sizes = CandidateSizes(config.hybrid, config.mentions)
-    blocks = query_blocks(route(bundle, encoder, sizes, None, 0.0),
-                          TRAIN_SETS[config.train](bundle_dir), held_out_items(bundle_dir))
+    train = TRAIN_SETS[config.train](bundle_dir)
+    words = learn_words(route(bundle, encoder, sizes, None, 0.0), train, config.words)
+    blocks = query_blocks(route(bundle, encoder, sizes, None, 0.0, words), train,
+                          held_out_items(bundle_dir))
     val = [q for q in load_split(bundle_dir, "val") if q.groups]
     scored = [q for q in load_split(bundle_dir, split) if q.groups]
     rows = []
@@ -77,9 +82,9 @@ def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHA
         booster = fit(np.concatenate([blocks[i][0] for i in chosen]),
                       np.concatenate([blocks[i][1] for i in chosen]),
                       [len(blocks[i][1]) for i in chosen], config)
-        on_val, weight = tuned(bundle, encoder, sizes, booster, val, config.redundancies)
+        on_val, weight = tuned(bundle, encoder, sizes, booster, val, config.redundancies, words)
         on_split = on_val if split == "val" else coverage(
-            route(bundle, encoder, sizes, booster, weight), scored)
+            route(bundle, encoder, sizes, booster, weight, words), scored)
         rows.append({"share": share, "draw": draw, "train_queries": n, "redundancy": weight,
                      "val_coverage@10": on_val, f"{split}_coverage@10": on_split})
     return rows

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from service.artifacts.bundle import (
     stage,
 )
 from service.errors import InputError
-from service.fanout.mentions import FEATURES, CandidateSizes
+from service.fanout.mentions import CATEGORICAL, FEATURES, CandidateSizes, MentionWords
 from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranker, RankerConfig
 from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
@@ -62,6 +63,9 @@ class RankerTrainConfig:
     # serve the label-free order instead where it measures at least as well on val
     label_free_baseline: bool = True
     train: str = "masked"  # TRAIN_SETS: which labeled train queries it learns from
+    words: int = 30  # the most frequent words either side of a mention it tells apart, per side
+    cat_smooth: float = 20.0  # LightGBM's smoothing of a categorical word's statistics
+    min_data_per_group: int = 50  # rows a word needs to be split on
 
 
 def ranker_stage_config(config: RankerTrainConfig) -> dict[str, Any]:
@@ -90,16 +94,33 @@ def labeled(path: RankedRoute, queries: list[BenchmarkQuery], held: set[str]
     return np.concatenate(tables), np.concatenate(labels), sizes
 
 
+def learn_words(path: RankedRoute, queries: list[BenchmarkQuery], n: int) -> MentionWords:
+    """The n most frequent words before and after a mention among the queries' candidates
+    (label-free: which words the model may tell apart, not what they mean)."""
+    texts = [q.query for q in queries]
+    before: Counter[str] = Counter()
+    after: Counter[str] = Counter()
+    for text, (rows, _) in zip(texts, path.features.candidates(texts, path.encoder.encode(texts)),
+                               strict=True):
+        for word_before, word_after in path.features.neighbours(text, rows):
+            before[word_before] += 1
+            after[word_after] += 1
+    return MentionWords(tuple(w for w, _ in before.most_common(n)),
+                        tuple(w for w, _ in after.most_common(n)))
+
+
 def fit(features: np.ndarray, labels: np.ndarray, sizes: list[int],
         config: RankerTrainConfig) -> Any:
-    """A LightGBM lambdarank booster."""
+    """A LightGBM lambdarank booster, the mention's neighbouring words as categories."""
     import lightgbm
 
     params = {"objective": "lambdarank", "learning_rate": config.learning_rate,
               "num_leaves": config.leaves, "min_data_in_leaf": config.min_data_in_leaf,
               "lambdarank_truncation_level": config.truncation, "seed": config.seed,
+              "cat_smooth": config.cat_smooth, "min_data_per_group": config.min_data_per_group,
               "deterministic": True, "num_threads": 1, "verbose": -1}
-    data = lightgbm.Dataset(features, labels, group=sizes)
+    data = lightgbm.Dataset(features, labels, group=sizes,
+                            categorical_feature=[FEATURES.index(c) for c in CATEGORICAL])
     return lightgbm.train(params, data, num_boost_round=config.rounds)
 
 
@@ -113,15 +134,15 @@ def coverage(path: RankedRoute, queries: list[BenchmarkQuery]) -> float:
 
 
 def tune(bundle: Any, encoder: Encoder, sizes: CandidateSizes, booster: Any | None,
-         val: list[BenchmarkQuery], redundancies: tuple[float, ...], baseline: bool = True
-         ) -> dict[RankerConfig, float]:
+         val: list[BenchmarkQuery], redundancies: tuple[float, ...], words: MentionWords,
+         baseline: bool = True) -> dict[RankerConfig, float]:
     """Val coverage@10 of each scorer (the trained model, and the label-free order, which a
     model must beat to be served) at each redundancy weight; NaN without labeled val."""
     tried: dict[RankerConfig, float] = {}
     models = [RANKER_MODEL] if booster is not None else []
     for model in ([None] if baseline or not models else []) + models:  # a tie: no model
         for weight in redundancies if val else (0.0,):
-            config = RankerConfig(sizes, weight, FEATURES, model)
+            config = RankerConfig(sizes, weight, FEATURES, model, words)
             path = RankedRoute(bundle, encoder, Ranker(config, booster if model else None))
             tried[config] = coverage(path, val) if val else float("nan")
             print(f"ranker: {model or 'label-free'}, redundancy {weight}: val coverage@10 "
@@ -142,12 +163,13 @@ def train_ranker(bundle_dir: Path, config: RankerTrainConfig = RankerTrainConfig
                          f"{sorted(TRAIN_SETS)}")
     train = TRAIN_SETS[config.train](bundle_dir)
     val = [q for q in load_split(bundle_dir, "val") if q.groups]
-    booster = None
+    booster, words = None, MentionWords()
     if train:
-        base = Ranker(RankerConfig(sizes=sizes))
-        booster = fit(*labeled(RankedRoute(bundle, encoder, base), train,
-                               held_out_items(bundle_dir)), config)
-    tried = tune(bundle, encoder, sizes, booster, val, config.redundancies,
+        path = RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes=sizes)))
+        words = learn_words(path, train, config.words)
+        path = RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes=sizes, words=words)))
+        booster = fit(*labeled(path, train, held_out_items(bundle_dir)), config)
+    tried = tune(bundle, encoder, sizes, booster, val, config.redundancies, words,
                  config.label_free_baseline)
     served = max(tried, key=lambda c: -np.inf if np.isnan(tried[c]) else tried[c])
     if served.model is None:

@@ -3,12 +3,24 @@ label-free order, the redundancy penalty, and the config a bundle records."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
 from service.errors import BundleError
-from service.fanout.mentions import ABSENT_RANK, FEATURES, CandidateSizes, MentionFeatures
+from service.fanout.mentions import (
+    ABSENT_RANK,
+    END,
+    FEATURES,
+    NO_MENTION,
+    START,
+    CandidateSizes,
+    MentionFeatures,
+    MentionWords,
+    neighbours,
+)
 from service.fanout.ranker import Ranker, RankerConfig
 from service.runtime.encoder import Encoder
 
@@ -45,6 +57,8 @@ def test_label_free_order_prefers_an_early_mention_then_similarity():
 def test_config_round_trips_and_other_features_are_refused():
     config = RankerConfig(CandidateSizes(20, 40), 0.5, FEATURES, None)
     assert RankerConfig.from_dict(config.to_dict()) == config
+    worded = RankerConfig(words=MentionWords(("a", START), ("of", END)))
+    assert RankerConfig.from_dict(json.loads(json.dumps(worded.to_dict()))) == worded
     with pytest.raises(BundleError, match="r4t train ranker"):
         Ranker(RankerConfig(features=FEATURES[:-1]))
 
@@ -65,3 +79,34 @@ def test_candidates_hold_the_hybrid_list_then_every_mention_and_features_say_so(
     holds = np.isin(rows, mentions)
     assert (column["mentions"] == holds).all()
     assert np.allclose(column["similarity"], bundle.items.embeddings[rows] @ query[0], atol=1e-5)
+
+
+def test_the_words_around_a_mention_are_ids_in_the_learned_vocabulary():
+    described = ("a", "hunt", "dog", "of", "britain")
+    assert neighbours(described, ["dog"], 2) == ("hunt", "of")
+    assert neighbours(described, ["a"], 0) == (START, "hunt")
+    assert neighbours(described, ["dog", "of", "britain"], 2) == ("hunt", END)
+    assert neighbours(described, ["cat"], None) == (NO_MENTION, NO_MENTION)
+    words = MentionWords(before=("hunt", NO_MENTION), after=("of",))
+    assert words.ids("hunt", "of") == (0.0, 0.0)
+    assert words.ids(NO_MENTION, "britain") == (1.0, 1.0)  # an unknown word: one past the end
+    assert words.ids("the", NO_MENTION) == (2.0, 1.0)
+
+
+def test_served_features_carry_the_words_either_side_of_each_mention(bundle):
+    text = "tree"
+    query = Encoder(bundle.encoder_config).encode([text])  # (1, d)
+    plain = MentionFeatures(bundle, CandidateSizes(hybrid=8, mentions=1000))
+    [(rows, listed)] = plain.candidates([text], query)
+    around = plain.neighbours(text, rows)
+    vocabulary = MentionWords(tuple(dict.fromkeys(b for b, _ in around)),
+                              tuple(dict.fromkeys(a for _, a in around)))
+    worded = MentionFeatures(bundle, CandidateSizes(hybrid=8, mentions=1000), vocabulary)
+    column = dict(zip(FEATURES, worded.features(text, query[0], rows, listed).T, strict=True))
+    expected = np.array([vocabulary.ids(b, a) for b, a in around])  # (C, 2)
+    assert (column["word_before_mention"] == expected[:, 0]).all()
+    assert (column["word_after_mention"] == expected[:, 1]).all()
+    mentioned = np.isin(rows, bundle.lexical.mentions(text))
+    # an item whose text never names the query has no words around a mention
+    assert all(b == NO_MENTION for (b, _), m in zip(around, mentioned, strict=True) if not m)
+    assert any(b != NO_MENTION for b, _ in around)

@@ -51,6 +51,9 @@ def test_the_small_bundle_ranker_is_trained_recorded_and_served(small_bundle_dir
     assert record["val_coverage@10"] == best["coverage@10"] and record["model"] == best["model"]
     bundle = load_bundle(small_bundle_dir)
     ranker = Ranker.load(small_bundle_dir / RANKER_DIR)
+    words = ranker.config.words  # learned from the train queries' candidates, at most n a side
+    assert 0 < len(words.before) <= RankerTrainConfig().words
+    assert 0 < len(words.after) <= RankerTrainConfig().words
     assert (ranker.booster is not None) == (served["model"] == RANKER_MODEL)
     [answer] = RankedRoute(bundle, Encoder(bundle.encoder_config), ranker)([RouteQuery("tree", 5)])
     assert len(set(answer.selection.rows)) == 5 and answer.selection.filled == 0
