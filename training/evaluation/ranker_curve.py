@@ -141,15 +141,15 @@ def write_curve(bundle_dir: Path, split: str, rows: list[dict[str, Any]],
     path = directory / f"{split}.json"
     path.write_text(json.dumps({"split": split, "curve": rows, "oracles": served}, indent=2)
                     + "\n")
-    key = f"{split}_coverage@10"
+    keys = list(dict.fromkeys(["val_coverage@10", f"{split}_coverage@10"]))
     lines = [f"# The ranker's learning curve in labeled train queries ({split})", "",
-             "| share | train queries | draws | val coverage@10 | "
-             f"{split} coverage@10 |", "|---:|---:|---:|---:|---:|"]
+             "| share | train queries | draws | "
+             + " | ".join(k.replace("_", " ") for k in keys) + " |",
+             "|---:|---:|---:|" + "---:|" * len(keys)]
     for share in sorted({r["share"] for r in rows}):
         mine = [r for r in rows if r["share"] == share]
         lines.append(f"| {share:.2f} | {mine[0]['train_queries']} | {len(mine)} | "
-                     f"{np.mean([r['val_coverage@10'] for r in mine]):.3f} | "
-                     f"{np.mean([r[key] for r in mine]):.3f} |")
+                     + " | ".join(f"{np.mean([r[k] for r in mine]):.3f}" for k in keys) + " |")
     lines += ["", f"## The served ranker against oracles over its candidates ({split})", "",
               "| the served ranker's choice, or an oracle's | coverage@10 (P@10 where named) |",
               "|---|---:|"]
