@@ -58,8 +58,8 @@ class Ranker:
     def __init__(self, config: RankerConfig, booster: Any | None = None) -> None:
         if config.features != FEATURES:
             raise BundleError(f"the ranker was trained on features {list(config.features)}, "
-                              f"this service computes {list(FEATURES)}: rebuild it with "
-                              "`r4t train ranker`")
+                              f"this service computes {list(FEATURES)}: `r4t --bundle BUNDLE "
+                              "catalog` rebuilds it (`make serve` does)")
         self.config, self.booster = config, booster
         self._lock = threading.Lock()  # one LightGBM prediction at a time per model
 

@@ -59,7 +59,7 @@ def test_config_round_trips_and_other_features_are_refused():
     assert RankerConfig.from_dict(config.to_dict()) == config
     worded = RankerConfig(words=MentionWords(("a", START), ("of", END)))
     assert RankerConfig.from_dict(json.loads(json.dumps(worded.to_dict()))) == worded
-    with pytest.raises(BundleError, match="r4t train ranker"):
+    with pytest.raises(BundleError, match="catalog` rebuilds it"):
         Ranker(RankerConfig(features=FEATURES[:-1]))
 
 
