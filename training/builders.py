@@ -115,18 +115,20 @@ def _build_synthesis(build: StageBuild, manifest: dict[str, Any]) -> dict[str, A
     from training.stage2_synthesis.synthesis import (
         POLICY_ONNX,
         SYNTHESIS_RUN,
+        block_context,
         commit_synthesis,
         synthesize,
     )
 
     configs = _configs(build)
     run_dir = _run_dir(build, manifest, "synthesis", build.bundle_dir / "runs" / SYNTHESIS_RUN)
-    if configs.synthesis.teacher != "folm":  # the ranker: blocks among the student's context
-        from training.stage2_synthesis.teachers import CONTEXT, synthesize_blocks
+    context = block_context(configs.synthesis, configs.diffusion.model.context)
+    if context is not None:  # the ranker: blocks among the student's context
+        from training.stage2_synthesis.teachers import synthesize_blocks
 
         synthesize_blocks(build.bundle_dir, configs.synthesis.teacher, configs.synthesis,
-                          configs.diffusion.model.context or CONTEXT, run_dir)
-        return commit_synthesis(build.bundle_dir, configs.synthesis, run_dir)
+                          context, run_dir)
+        return commit_synthesis(build.bundle_dir, configs.synthesis, run_dir, context)
     policy = _checkpoint(run_dir_for(build.bundle_dir, configs.grpo.reward) / FINAL, "folm")
     local = chosen_backend(configs.synthesis.backend, configs.synthesis.decoding) == "local"
     if local and not (run_dir / POLICY_ONNX).exists():  # it samples the bundle's export

@@ -46,7 +46,8 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--context-source", default=None, choices=CONTEXT_SOURCES,
                        help="the context items: the query's nearest, the prompt's, or the "
                             "ranker's best (default: the preset's)")
-    for size, what in (("layers", "transformer blocks"), ("hidden", "width"),
+    for size, what in (("context", "context items, C"), ("layers", "transformer blocks"),
+                       ("hidden", "width"),
                        ("mlp", "MLP width"), ("heads", "attention heads; divide --hidden")):
         train.add_argument(f"--{size}", type=positive, default=None,
                            help=f"the denoiser's {what} (default: the preset's)")

@@ -62,14 +62,15 @@ def stage_keys(catalog: CatalogConfig, configs: Recipe | None = None) -> dict[st
     if configs is not None:
         from training.stage1_fanout.export import policy_stage_config
         from training.stage1_fanout.policy import POLICY_PRESETS
-        from training.stage2_synthesis.synthesis import synthesis_stage_config
+        from training.stage2_synthesis.synthesis import block_context, synthesis_stage_config
         from training.stage3_diffusion.export import diffusion_stage_config
 
         keys["folm-warmstart"] = init_key(Path(configs.init)) if configs.init else \
             policy_stage_config(asdict(configs.warmstart),
                                 asdict(POLICY_PRESETS[configs.warmstart.preset]))
         keys["folm"] = policy_stage_config(asdict(configs.grpo))
-        keys["synthesis"] = synthesis_stage_config(configs.synthesis)
+        keys["synthesis"] = synthesis_stage_config(
+            configs.synthesis, block_context(configs.synthesis, configs.diffusion.model.context))
         keys["diffusion"] = diffusion_stage_config(configs.export,
                                                    config_hash(configs.diffusion.to_dict()))
     return keys

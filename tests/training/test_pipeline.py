@@ -209,6 +209,23 @@ def test_the_warm_starts_key_holds_the_policy_it_builds(monkeypatch) -> None:
     assert after["folm"] == before["folm"]  # GRPO's own config is unchanged; its input is not
 
 
+def test_a_picking_teachers_blocks_are_keyed_by_the_students_context() -> None:
+    """The ranker picks among the student's context: a new context size rebuilds stage 2, and
+    a policy teacher (which writes sub-queries) has no context in its key."""
+    from training.pipeline import stage_keys
+    from training.stage3_diffusion.denoiser import PRESETS
+
+    catalog = CatalogConfig(source="wordnet")
+    recipe = Recipe.for_preset("cpu")
+    picker = recipe.synthesis.teacher != "folm"
+    assert picker and stage_keys(catalog, recipe)["synthesis"]["context"] == PRESETS["cpu"].context
+    wider = replace(recipe, diffusion=replace(recipe.diffusion, model=replace(
+        recipe.diffusion.model, context=2 * PRESETS["cpu"].context)))
+    assert stage_keys(catalog, wider)["synthesis"] != stage_keys(catalog, recipe)["synthesis"]
+    policy = replace(recipe, synthesis=replace(recipe.synthesis, teacher="folm"))
+    assert "context" not in stage_keys(catalog, policy)["synthesis"]
+
+
 def test_build_status_of_a_dead_build_reads_failed_and_a_live_one_blocks(tmp_path) -> None:
     assert read_build_status(tmp_path) is None
     status = {"state": "running", "pid": 2**22 + 12345, "plan": [], "finished": [],

@@ -19,7 +19,7 @@ from training.stage2_synthesis.synthesis import (
     commit_synthesis,
     synthesize,
 )
-from training.stage2_synthesis.teachers import CONTEXT, synthesize_blocks
+from training.stage2_synthesis.teachers import RANKED_CONTEXT, synthesize_blocks
 
 
 def cmd_synthesize(args: argparse.Namespace) -> None:
@@ -38,7 +38,7 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         run_dir = Path(args.run_dir) if args.run_dir else args.bundle / "runs" / SYNTHESIS_RUN
         synthesize_blocks(args.bundle, args.teacher, config, args.context, run_dir)
         if not args.run_dir:  # the bundle's own stage 2
-            commit_synthesis(args.bundle, config, run_dir)
+            commit_synthesis(args.bundle, config, run_dir, args.context)
         return
     from training.stage1_fanout.export import default_checkpoint
 
@@ -86,7 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="folm: sample the policy (the bundle's stage 2); ranker: sample the "
                           "bundle's ranker; oracle: blocks of one item per labeled group (a "
                           "positive control), both among the ranker's best --context items")
-    syn.add_argument("--context", type=positive, default=CONTEXT,
+    syn.add_argument("--context", type=positive, default=RANKED_CONTEXT,
                      help="--teacher ranker|oracle: the student's context size")
     syn.add_argument("--threads", type=int, default=SynthesisConfig.threads)
     syn.set_defaults(func=cmd_synthesize)

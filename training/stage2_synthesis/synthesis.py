@@ -330,15 +330,27 @@ def _sample_shards(run_dir: Path, config: SynthesisConfig, ctx: dict[str, Any],
     bar.close()
 
 
-def synthesis_stage_config(config: SynthesisConfig) -> dict[str, Any]:
-    """The config the `synthesis` stage is current by."""
-    return {"synthesis": asdict(config)}
+def block_context(config: SynthesisConfig, student: int) -> int | None:
+    """How many items a picking teacher (the ranker, the labels) chooses among: the student's
+    context, else the prompt's names; None for the policy, which writes sub-queries."""
+    return None if config.teacher == "folm" else (student or PROMPT_RECIPE.context)
 
 
-def commit_synthesis(bundle_dir: Path, config: SynthesisConfig, run_dir: Path) -> dict[str, Any]:
+def synthesis_stage_config(config: SynthesisConfig, context: int | None = None
+                           ) -> dict[str, Any]:
+    """The config the `synthesis` stage is current by, with a picking teacher's context (its
+    blocks change with it)."""
+    key: dict[str, Any] = {"synthesis": asdict(config)}
+    if context is not None:
+        key["context"] = int(context)
+    return key
+
+
+def commit_synthesis(bundle_dir: Path, config: SynthesisConfig, run_dir: Path,
+                     context: int | None = None) -> dict[str, Any]:
     """Record stage 2 in the manifest (its dataset stays in `run_dir`: no bundle files), so
     the stages that read it can tell when it changed; returns the manifest."""
-    key = synthesis_stage_config(config)
+    key = synthesis_stage_config(config, context)
     ledger = _load_ledger(run_dir)
     if not ledger.get("kept"):
         raise BundleError(f"{run_dir}: stage 2 kept no sample ({ledger}); nothing to train on")

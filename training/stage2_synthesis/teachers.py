@@ -19,15 +19,16 @@ import numpy as np
 from tqdm import tqdm
 
 from service.artifacts.bundle import git_commit, load_bundle
-from service.fanout.format import PROMPT_RECIPE, item_names
+from service.fanout.format import item_names
 from service.fanout.ranker import ScoredCandidates
 from service.runtime.encoder import Encoder
 from training.data.splits import disjoint_train, query_texts, training_queries
 from training.stage2_synthesis.synthesis import SHARDS, SynthesisConfig, save_shard
 
 TERMS = ("reward", "ground", "diversity", "alignment")  # not scored here: zeros
-# the candidates a teacher picks among when its student attends to none: the prompt's
-CONTEXT = PROMPT_RECIPE.context
+# the ranker's best 12: the teacher picks 10 of them, and so does its student (the best 16
+# and 24 measured lower on val, docs/experiments.md 2026-12-04 night II)
+RANKED_CONTEXT = 12
 
 
 def ranker_block(scores: np.ndarray, embeddings: np.ndarray, scored: ScoredCandidates, k: int,

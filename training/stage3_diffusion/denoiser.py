@@ -35,6 +35,7 @@ from service.errors import BundleError, InputError
 from service.fanout.candidates import CANDIDATE_SOURCES, UNRECORDED_SOURCE
 from service.fanout.format import PROMPT_RECIPE
 from service.routes.diffusion import CONTEXT_SOURCES
+from training.stage2_synthesis.teachers import RANKED_CONTEXT
 
 # Options of earlier configs whose other values were removed: their surviving value.
 REMOVED_OPTIONS: dict[str, str] = {"conditioning": "adaln", "head": "vector"}
@@ -100,11 +101,10 @@ class DenoiserConfig:
 
 PRESETS: dict[str, DenoiserConfig] = {
     "paper": DenoiserConfig(hidden=1024, mlp=1024, layers=6, heads=16, rows=12),  # Table 3
-    # Sized for 2 CPU cores; the context is the ranker's best 24 candidates (the prompt
-    # recipe's), among which its teacher chose (training/stage2_synthesis/teachers.py). Two
-    # blocks: four cost more and chose no better, half the width chose worse
-    # (docs/experiments.md, 2026-12-03).
-    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=2, heads=4, context=PROMPT_RECIPE.context,
+    # Sized for 2 CPU cores; the context is the ranker's best RANKED_CONTEXT candidates, among
+    # which its teacher chose (training/stage2_synthesis/teachers.py). Two blocks: four cost
+    # more and chose no better, half the width chose worse (docs/experiments.md, 2026-12-03).
+    "cpu": DenoiserConfig(hidden=128, mlp=512, layers=2, heads=4, context=RANKED_CONTEXT,
                           ordered=True, context_source="ranked",
                           candidates=PROMPT_RECIPE.candidates),
     "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),

@@ -338,7 +338,7 @@ def cmd_train_diffusion(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     config = train_preset(args.preset, **given(args, "steps", "batch", "lr", "seed",
                                                "target_order"))
-    model = given(args, "context_source", "layers", "hidden", "mlp", "heads")
+    model = given(args, "context_source", "context", "layers", "hidden", "mlp", "heads")
     if model:  # DenoiserConfig refuses a bad value with an InputError
         config = replace(config, model=replace(config.model, **model))
     run_dir = args.run_dir or args.bundle / "runs" / RUN_NAME
