@@ -15,6 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
+from service.errors import InputError
 from service.fanout.mentions import CandidateSizes, MentionWords
 from service.fanout.ranker import Ranker, RankerConfig
 from service.routes.ranked import RankedRoute
@@ -69,11 +70,15 @@ def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHA
     encoder = Encoder(bundle.encoder_config)
     sizes = CandidateSizes(config.hybrid, config.mentions)
     train = TRAIN_SETS[config.train](bundle_dir)
+    val = [q for q in load_split(bundle_dir, "val") if q.groups]
+    scored = [q for q in load_split(bundle_dir, split) if q.groups]
+    if not (train and val and scored):
+        raise InputError(f"the ranker curve needs labeled train, val and {split} queries; "
+                         f"{bundle_dir}'s benchmark has {len(train)}, {len(val)} and "
+                         f"{len(scored)}")
     words = learn_words(route(bundle, encoder, sizes, None, 0.0), train, config.words)
     blocks = query_blocks(route(bundle, encoder, sizes, None, 0.0, words), train,
                           held_out_items(bundle_dir))
-    val = [q for q in load_split(bundle_dir, "val") if q.groups]
-    scored = [q for q in load_split(bundle_dir, split) if q.groups]
     rows = []
     plan = [(s, d) for s in shares for d in range(draws if s < 1 else 1)]
     for share, draw in tqdm(plan, desc="ranker curve", unit="fit"):

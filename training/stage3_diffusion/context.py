@@ -58,17 +58,25 @@ def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, 
     return Neighbourhood(rows[inverse.reshape(-1)], embeddings)  # rows (N, C)
 
 
-def check_prompt_context(dataset_dir: Path, n: int, source: str) -> None:
-    """Refuse a prompt-sourced context of n items of `source` when the stage-2 run's prompts
-    named another number or source (its config.json `context`, `candidates`): the student would
-    not see what its teacher saw."""
+def check_context_size(dataset_dir: Path, n: int, source: str) -> dict[str, Any]:
+    """Refuse a context of n items when the stage-2 run's teacher chose among another number
+    (its config.json `context`): the student would not see what its teacher saw. Returns the
+    record ({} when there is none)."""
     path = Path(dataset_dir) / "config.json"
     record = json.loads(path.read_text()) if path.is_file() else {}
     named = record.get("context")
     if named is not None and int(named) != n:
-        raise BundleError(f"the teacher's prompts named {named} items ({path}) but the "
+        raise BundleError(f"stage 2's teacher named {named} items ({path}) but the "
                           f"denoiser's context is {n}: they must match for "
-                          "context_source='prompt'")
+                          f"context_source={source!r}")
+    return record
+
+
+def check_prompt_context(dataset_dir: Path, n: int, source: str) -> None:
+    """`check_context_size`, and refuse a prompt-sourced context of `source` candidates when
+    the stage-2 run's prompts named another source (its config.json `candidates`)."""
+    record = check_context_size(dataset_dir, n, "prompt")
+    path = Path(dataset_dir) / "config.json"
     teacher = record.get("candidates", UNRECORDED_SOURCE) if record else source
     if teacher != source:
         raise BundleError(f"the teacher's prompt names came from {teacher!r} candidates ({path}) "
@@ -88,6 +96,7 @@ def bundle_context(bundle_dir: Path, data: BlockDataset, model: DenoiserConfig,
     bundle = load_bundle(bundle_dir)
     prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
     if model.context_source == "ranked":
+        check_context_size(dataset_dir, n, "ranked")
         prompt = RankedNeighbourhood(bundle, n)
     elif model.context_source == "prompt":
         check_prompt_context(dataset_dir, n, model.candidates)

@@ -135,6 +135,15 @@ def test_a_prompt_context_must_name_as_many_items_as_the_teachers_prompts(tmp_pa
     check_prompt_context(tmp_path, 16, "hybrid")
 
 
+def test_a_ranked_context_must_be_as_many_items_as_its_teacher_chose_among(tmp_path):
+    from training.stage3_diffusion.context import check_context_size
+
+    (tmp_path / "config.json").write_text('{"context": 12, "candidates": "ranked"}')
+    assert check_context_size(tmp_path, 12, "ranked")["context"] == 12
+    with pytest.raises(BundleError, match=r"named 12 items.*context_source='ranked'"):
+        check_context_size(tmp_path, 24, "ranked")
+
+
 def test_new_options_keep_old_configs_and_their_hashes():
     config = preset("cpu", context_source="nearest")
     assert "context_source" not in config.to_dict()
