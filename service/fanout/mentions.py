@@ -55,12 +55,16 @@ class MentionWords:
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
 
+    @functools.cached_property
+    def _index(self) -> tuple[dict[str, int], dict[str, int]]:
+        """word → id on each side, built once: ids are read for every candidate row."""
+        return ({w: i for i, w in enumerate(self.before)},
+                {w: i for i, w in enumerate(self.after)})
+
     def ids(self, before: str, after: str) -> tuple[float, float]:
-        return (float(index_of(self.before, before)), float(index_of(self.after, after)))
-
-
-def index_of(words: tuple[str, ...], word: str) -> int:
-    return words.index(word) if word in words else len(words)
+        first, second = self._index
+        return (float(first.get(before, len(self.before))),
+                float(second.get(after, len(self.after))))
 
 
 @dataclass(frozen=True)

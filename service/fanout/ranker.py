@@ -40,8 +40,7 @@ class RankerConfig:
     words: MentionWords = field(default_factory=MentionWords)  # learned with the model
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "features": list(self.features),
-                "words": {side: list(found) for side, found in asdict(self.words).items()}}
+        return {**asdict(self), "features": list(self.features)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankerConfig:

@@ -16,20 +16,20 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
 from service.errors import InputError
-from service.fanout.mentions import CandidateSizes, MentionWords
-from service.fanout.ranker import Ranker, RankerConfig
+from service.fanout.mentions import CandidateSizes
+from service.fanout.ranker import Ranker
 from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
-from training.data.metrics import best_coverage, group_hit_rate
-from training.data.splits import BenchmarkQuery, held_out_items, load_split
+from training.data.metrics import best_coverage, group_hit_rate, precision
+from training.data.splits import held_out_items, load_split
 from training.stage1_fanout.ranker import (
     TRAIN_SETS,
     K,
     RankerTrainConfig,
     coverage,
     fit,
-    labeled,
-    learn_words,
+    learned_rows,
+    tune,
 )
 
 SHARES = (0.25, 0.5, 0.75, 1.0)
@@ -37,27 +37,11 @@ DRAWS = 3  # random subsets per share below 1 (the full share has one)
 CURVE_DIR = "ranker-curve"
 
 
-def query_blocks(path: RankedRoute, train: list[BenchmarkQuery], held: set[str]
-                 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each labeled train query's (features (C, F), labels (C,)), computed once for every
-    subset drawn from them."""
-    features, labels, sizes = labeled(path, train, held)
+def split_rows(features: np.ndarray, labels: np.ndarray, sizes: list[int]
+               ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each labeled train query's (features (C, F), labels (C,)), for subsets drawn of them."""
     bounds = np.cumsum(sizes)[:-1]
     return list(zip(np.split(features, bounds), np.split(labels, bounds), strict=True))
-
-
-def tuned(bundle: Bundle, encoder: Encoder, sizes: CandidateSizes, booster: Any,
-          val: list[BenchmarkQuery], redundancies: tuple[float, ...], words: MentionWords
-          ) -> tuple[float, float]:
-    """(val coverage@10, redundancy) of the booster at its best redundancy on val."""
-    return max((coverage(route(bundle, encoder, sizes, booster, weight, words), val), weight)
-               for weight in redundancies)
-
-
-def route(bundle: Bundle, encoder: Encoder, sizes: CandidateSizes, booster: Any,
-          redundancy: float, words: MentionWords | None = None) -> RankedRoute:
-    config = RankerConfig(sizes, redundancy, words=words or MentionWords())
-    return RankedRoute(bundle, encoder, Ranker(config, booster))
 
 
 def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHARES,
@@ -76,10 +60,10 @@ def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHA
         raise InputError(f"the ranker curve needs labeled train, val and {split} queries; "
                          f"{bundle_dir}'s benchmark has {len(train)}, {len(val)} and "
                          f"{len(scored)}")
-    words = learn_words(route(bundle, encoder, sizes, None, 0.0), train, config.words)
-    blocks = query_blocks(route(bundle, encoder, sizes, None, 0.0, words), train,
-                          held_out_items(bundle_dir))
-    rows = []
+    words, *rows = learned_rows(bundle, encoder, sizes, train, held_out_items(bundle_dir),
+                                config.words)
+    blocks = split_rows(*rows)
+    curve = []
     plan = [(s, d) for s in shares for d in range(draws if s < 1 else 1)]
     for share, draw in tqdm(plan, desc="ranker curve", unit="fit"):
         n = max(1, round(share * len(blocks)))
@@ -87,12 +71,15 @@ def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHA
         booster = fit(np.concatenate([blocks[i][0] for i in chosen]),
                       np.concatenate([blocks[i][1] for i in chosen]),
                       [len(blocks[i][1]) for i in chosen], config)
-        on_val, weight = tuned(bundle, encoder, sizes, booster, val, config.redundancies, words)
-        on_split = on_val if split == "val" else coverage(
-            route(bundle, encoder, sizes, booster, weight, words), scored)
-        rows.append({"share": share, "draw": draw, "train_queries": n, "redundancy": weight,
-                     "val_coverage@10": on_val, f"{split}_coverage@10": on_split})
-    return rows
+        tried = tune(bundle, encoder, sizes, booster, val, config.redundancies, words,
+                     baseline=False, report=False)
+        best = max(tried, key=tried.__getitem__)
+        on_split = tried[best] if split == "val" else coverage(
+            RankedRoute(bundle, encoder, Ranker(best, booster)), scored)
+        curve.append({"share": share, "draw": draw, "train_queries": n,
+                      "redundancy": best.redundancy, "val_coverage@10": tried[best],
+                      f"{split}_coverage@10": on_split})
+    return curve
 
 
 def oracles(bundle: Bundle, split: str) -> dict[str, float]:
@@ -111,7 +98,7 @@ def oracles(bundle: Bundle, split: str) -> dict[str, float]:
         kept = rows[member]
         among = kept[served.ranker.choose(scores[member], embeddings[kept], K)]
         found["ranked"].append(group_hit_rate({ids[r] for r in picks}, query.groups))
-        found["precision@10"].append(float(np.mean([ids[r] in query.reference for r in picks])))
+        found["precision@10"].append(precision([ids[r] for r in picks], query.reference))
         found["perfect spread"].append(spread(rows[np.argsort(-scores, kind="stable")],
                                               ids, query.groups))
         found["perfect membership"].append(group_hit_rate({ids[r] for r in among}, query.groups))

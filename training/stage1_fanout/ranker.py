@@ -109,6 +109,17 @@ def learn_words(path: RankedRoute, queries: list[BenchmarkQuery], n: int) -> Men
                         tuple(w for w, _ in after.most_common(n)))
 
 
+def learned_rows(bundle: Any, encoder: Encoder, sizes: CandidateSizes,
+                 train: list[BenchmarkQuery], held: set[str], n_words: int
+                 ) -> tuple[MentionWords, np.ndarray, np.ndarray, list[int]]:
+    """The words learned from the train queries' candidates, then their labeled rows
+    (`labeled`) with those words: what the stage and its learning curve train on."""
+    words = learn_words(RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes=sizes))),
+                        train, n_words)
+    path = RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes=sizes, words=words)))
+    return (words, *labeled(path, train, held))
+
+
 def fit(features: np.ndarray, labels: np.ndarray, sizes: list[int],
         config: RankerTrainConfig) -> Any:
     """A LightGBM lambdarank booster, the mention's neighbouring words as categories."""
@@ -135,7 +146,7 @@ def coverage(path: RankedRoute, queries: list[BenchmarkQuery]) -> float:
 
 def tune(bundle: Any, encoder: Encoder, sizes: CandidateSizes, booster: Any | None,
          val: list[BenchmarkQuery], redundancies: tuple[float, ...], words: MentionWords,
-         baseline: bool = True) -> dict[RankerConfig, float]:
+         baseline: bool = True, report: bool = True) -> dict[RankerConfig, float]:
     """Val coverage@10 of each scorer (the trained model, and the label-free order, which a
     model must beat to be served) at each redundancy weight; NaN without labeled val."""
     tried: dict[RankerConfig, float] = {}
@@ -145,8 +156,9 @@ def tune(bundle: Any, encoder: Encoder, sizes: CandidateSizes, booster: Any | No
             config = RankerConfig(sizes, weight, FEATURES, model, words)
             path = RankedRoute(bundle, encoder, Ranker(config, booster if model else None))
             tried[config] = coverage(path, val) if val else float("nan")
-            print(f"ranker: {model or 'label-free'}, redundancy {weight}: val coverage@10 "
-                  f"{tried[config]:.3f}", flush=True)
+            if report:
+                print(f"ranker: {model or 'label-free'}, redundancy {weight}: val "
+                      f"coverage@10 {tried[config]:.3f}", flush=True)
     return tried
 
 
@@ -165,10 +177,9 @@ def train_ranker(bundle_dir: Path, config: RankerTrainConfig = RankerTrainConfig
     val = [q for q in load_split(bundle_dir, "val") if q.groups]
     booster, words = None, MentionWords()
     if train:
-        path = RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes=sizes)))
-        words = learn_words(path, train, config.words)
-        path = RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes=sizes, words=words)))
-        booster = fit(*labeled(path, train, held_out_items(bundle_dir)), config)
+        words, *rows = learned_rows(bundle, encoder, sizes, train, held_out_items(bundle_dir),
+                                    config.words)
+        booster = fit(*rows, config)
     tried = tune(bundle, encoder, sizes, booster, val, config.redundancies, words,
                  config.label_free_baseline)
     served = max(tried, key=lambda c: -np.inf if np.isnan(tried[c]) else tried[c])
