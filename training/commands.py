@@ -57,8 +57,8 @@ def register_diffusion(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--seed", type=int, default=None, help="default: the preset's")
     train.add_argument("--target-order", default=None,
                        help="an ordered model's row i: the block's i-th item by cosine to the "
-                            "query (query) or as its teacher wrote it (teacher); default: the "
-                            "preset's")
+                            "query (query), as its teacher wrote it (teacher) or in its "
+                            "context's order (context); default: the preset's")
     train.add_argument("--threads", type=int, default=0,
                        help="torch threads (default: %(default)s, torch's own choice)")
     train.add_argument("--dataset", type=Path, default=None,

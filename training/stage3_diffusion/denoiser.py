@@ -6,9 +6,9 @@ is conditioned on the query embedding and the noise level by adaLN-Zero (DiT); t
 vector is also added to every row token, or the zero-initialised gates learn the query slowly.
 The rows are a set (no positions: the network is permutation-equivariant over them) unless
 `ordered`: then each row carries a learnt position and row i learns one slot of the block, so
-rows stop competing for one item: the i-th chosen item by cosine to the query, or the i-th as
-its teacher wrote it (the training config's `target_order`; a ranker's picks follow the ranks
-its context carries).
+rows stop competing for one item: the i-th chosen item by cosine to the query, the i-th as its
+teacher wrote it, or the i-th in its context's order, so row i copies one of the slots from i
+on (the training config's `target_order`).
 
 With a context (`context` = C > 0) the rows also cross-attend to C catalog items, best first,
 with a learnt rank embedding, so the network need not memorise the catalog's geometry.

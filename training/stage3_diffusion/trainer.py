@@ -36,7 +36,7 @@ RUN_NAME = "diffusion"
 CHECKPOINT = "checkpoint.pt"
 LOSS_FILE = "loss.json"
 CURVE_FILE = "loss_curve.png"
-TARGET_ORDERS = ("query", "teacher")
+TARGET_ORDERS = ("query", "teacher", "context")
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ class TrainConfig:
     log_every: int = 25
     seed: int = 0
     # an ordered model's row i: "query", the block's i-th item by cosine to the query; "teacher",
-    # its i-th as the teacher wrote it (a ranker's pick order, which follows its context's ranks)
+    # its i-th as the teacher wrote it (a ranker's pick order, which follows its context's ranks);
+    # "context", the block's items in their context's order, so row i copies slot i, i+1, ...
     target_order: str = "query"
 
     def __post_init__(self) -> None:
@@ -74,8 +75,9 @@ class TrainConfig:
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     "paper": TrainConfig(model=preset("paper"), steps=10_000_000, batch=512, lr=1e-4,
                          warmup=5000, checkpoint_every=1000),
-    # fits a CPU build; rows in the ranker's pick order chose better (docs/experiments.md)
-    "cpu": TrainConfig(model=preset("cpu"), steps=4500, target_order="teacher"),
+    # fits a CPU build; rows in their context's order copy the teacher's picks more faithfully
+    # than in its pick order (docs/experiments.md, 2026-12-05)
+    "cpu": TrainConfig(model=preset("cpu"), steps=4500, target_order="context"),
     "tiny": TrainConfig(model=preset("tiny"), steps=20, batch=16, warmup=2,
                         checkpoint_every=10, log_every=5),
 }
@@ -233,15 +235,26 @@ def batch_of(data: BlockDataset, config: TrainConfig, generator: torch.Generator
                                                   dtype=np.float32)).to(device)
     target = torch.from_numpy(np.ascontiguousarray(data.target_emb[picks],
                                                    dtype=np.float32)).to(device)
+    neighbours = None if context is None else context.of(picks, device)  # (B, C, d)
     if config.model.ordered and config.target_order == "query":
         target = sorted_by_query(target, query)
+    elif config.model.ordered and config.target_order == "context" and neighbours is not None:
+        target = sorted_by_context(target, neighbours)
     rows = rows_from_block(target, config.model.rows, generator)  # (B, L, d)
-    return query, rows, None if context is None else context.of(picks, device)
+    return query, rows, neighbours
 
 
 def sorted_by_query(target: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """(B, k, d) blocks with their items sorted by cosine to the query (B, d), best first."""
     order = torch.argsort(-(target @ query[:, :, None])[..., 0], dim=1, stable=True)  # (B, k)
+    return torch.gather(target, 1, order[..., None].expand(-1, -1, target.shape[2]))
+
+
+def sorted_by_context(target: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """(B, k, d) blocks with their items in the order of the context items (B, C, d) they are
+    nearest (an item of the context is itself), the context's first slot first."""
+    slots = (target @ context.transpose(1, 2)).argmax(dim=2)  # (B, k)
+    order = torch.argsort(slots, dim=1, stable=True)  # (B, k)
     return torch.gather(target, 1, order[..., None].expand(-1, -1, target.shape[2]))
 
 

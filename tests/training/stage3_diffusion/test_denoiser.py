@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from service.errors import BundleError, InputError
 from service.fanout.candidates import Candidates
 from tests.training.stage3_diffusion.proxy_dataset import synthetic_blocks, synthetic_neighbourhood
+from training.stage3_diffusion.context import Neighbourhood
 from training.stage3_diffusion.denoiser import (
     PRESETS,
     Denoiser,
@@ -198,6 +199,25 @@ def test_teacher_target_order_keeps_each_block_as_written_and_leaves_old_hashes_
     assert config.to_dict()["target_order"] == "teacher"
     with pytest.raises(InputError, match="target_order"):
         replace(config, target_order="random")
+
+
+def test_context_target_order_puts_each_block_in_its_context_order():
+    data = synthetic_blocks()  # each query's 20 items; its blocks, 10 of them
+    assert data.catalog is not None
+    shuffled = np.random.default_rng(0).permutation(20)  # the context: all 20, in this order
+    neighbourhood = Neighbourhood(data.query_index[:, None] * 20 + shuffled[None, :], data.catalog)
+    config = train_preset("tiny", model=preset("tiny", ordered=True, context=20),
+                          target_order="context")
+    picks = torch.randint(0, len(data.query_emb), (config.batch,),
+                          generator=torch.Generator().manual_seed(1)).numpy()
+    _, target, context = batch_of(data, config, torch.Generator().manual_seed(1), neighbourhood)
+    assert context is not None
+    slots = (target @ context.transpose(1, 2)).argmax(dim=2)  # (B, k)
+    assert (slots.diff(dim=1) > 0).all()  # distinct items, first slot first
+    written = torch.from_numpy(data.target_emb[picks])  # the same items as the teacher wrote
+    assert torch.allclose(torch.sort(target.sum(2), dim=1).values,
+                          torch.sort(written.sum(2), dim=1).values)
+    assert not torch.equal(target, written)
 
 
 def test_denoiser_is_permutation_equivariant_over_rows():
