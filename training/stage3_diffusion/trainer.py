@@ -62,6 +62,9 @@ class TrainConfig:
         if self.target_order not in TARGET_ORDERS:
             raise InputError(f"target_order must be one of {TARGET_ORDERS}, "
                              f"got {self.target_order!r}")
+        if self.target_order == "context" and not self.model.context:
+            raise InputError("target_order 'context' orders a block by its context: the "
+                             "denoiser needs one (context > 0)")
 
     def to_dict(self) -> dict[str, Any]:
         """As a dict, the model's and the target order's defaults left out (so the hashes of
@@ -239,6 +242,7 @@ def batch_of(data: BlockDataset, config: TrainConfig, generator: torch.Generator
     if config.model.ordered and config.target_order == "query":
         target = sorted_by_query(target, query)
     elif config.model.ordered and config.target_order == "context" and neighbours is not None:
+        # the context is in the ranker's order: row i learns to copy a slot from i to i + C − k
         target = sorted_by_context(target, neighbours)
     rows = rows_from_block(target, config.model.rows, generator)  # (B, L, d)
     return query, rows, neighbours

@@ -218,6 +218,8 @@ def test_context_target_order_puts_each_block_in_its_context_order():
     assert torch.allclose(torch.sort(target.sum(2), dim=1).values,
                           torch.sort(written.sum(2), dim=1).values)
     assert not torch.equal(target, written)
+    with pytest.raises(InputError, match="context"):  # no context to order by
+        replace(config, model=preset("tiny", ordered=True))
 
 
 def test_denoiser_is_permutation_equivariant_over_rows():
