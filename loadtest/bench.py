@@ -1,8 +1,9 @@
 """The honest speed benchmark: the served routes, same run, same machine, per stage.
 
-For each batch size, seconds per batch of the diffusion path (encode → solver → search), of
-the autoregressive path (decode → encode sub-queries → search) and of one dense query
-(`single`, the floor), each the service's own path object with its own stage clock; what
+For each batch size, seconds per batch of the diffusion path (encode → context → solver →
+search), of the autoregressive path (decode → encode sub-queries → search), of the `ranked`
+route (the served default, when the bundle has a ranker) and of one dense query (`single`, the
+floor), each the service's own path object with its own stage clock; what
 route=auto's fan-out trigger adds to a batch (one decision per query) beside `single`; the
 speedup, the solver's FLOPs per query, the AR tokens generated, and this machine's measured
 fp32 matmul peak with the solver's share of it. Writes JSON, a markdown table in the style of
@@ -30,8 +31,10 @@ from service.api.state import settle_heap
 from service.arguments import positive_list
 from service.artifacts.bundle import Bundle, load_bundle, require_stages
 from service.errors import R4TError
+from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR
 from service.routes.answer import RouteQuery, searched_s
 from service.routes.diffusion import DiffusionRoute
+from service.routes.ranked import RankedRoute
 from service.routes.single import SingleRoute
 from service.runtime.encoder import Encoder
 from service.runtime.index import IndexChoice
@@ -167,6 +170,8 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
                                     fanout_cache_size=0),  # timed batches repeat
                            bundle, encoder),
              "single": SingleRoute(bundle, encoder)}
+    if (bundle_dir / RANKER_DIR / RANKER_CONFIG).is_file():
+        paths["ranked"] = RankedRoute(bundle, encoder)
     if baseline is not None or baseline_index:  # another diffusion path, in the same loop
         paths["baseline"] = diffusion_path(baseline or bundle_dir, threads, encoder,
                                            baseline_index)
@@ -226,6 +231,8 @@ def _row(b: int, clocks: dict[str, dict[str, float]], config: dict, peak: float)
         "diffusion_s": d_total, "diffusion_stages_s": d,
         "ar_s": a_total, "ar_stages_s": {key: v for key, v in a.items() if key != "tokens"},
         "single_s": s_total, "single_stages_s": single,
+        "ranked_s": compute_s(clocks["ranked"]) if "ranked" in clocks else None,
+        "ranked_vs_single": compute_s(clocks["ranked"]) / s_total if "ranked" in clocks else None,
         "trigger_s": clocks["trigger"]["decide"],
         "trigger_vs_single": clocks["trigger"]["decide"] / s_total,
         "ar_tokens": int(a.get("tokens", 0)), "ar_tokens_per_query": a.get("tokens", 0.0) / b,
@@ -261,17 +268,20 @@ def markdown(report: dict) -> str:
         "at the measured matmul peak, a lower bound on this model and context here",
         "- trigger / single: route=auto's fan-out decision for every query of the batch "
         "(service/scheduling/trigger.py) over the whole `single` path on the same queries", "",
-        "| batch | AR (s) | diffusion (s) | single (s) | speedup | diffusion / single | "
+        "| batch | AR (s) | diffusion (s) | single (s) | ranked (s) | speedup | "
+        "diffusion / single | ranked / single | "
         "inputs / single | bound / single | trigger / single | AR decode | AR encode+search | "
         "diff. encode | diff. context | diff. solver | diff. search | AR tokens/query | "
         "solver GFLOP/s (share of peak) | paper AR / diff. (s) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "---:|---:|",
     ]
     for r in report["rows"]:
         a, d = r["ar_stages_s"], r["diffusion_stages_s"]
         lines.append(
             f"| {r['batch']} | {r['ar_s']:.3f} | {r['diffusion_s']:.3f} | {r['single_s']:.4f} | "
-            f"{r['speedup']:.1f}x | {r['diffusion_vs_single']:.1f}x | "
+            f"{_seconds(r.get('ranked_s'))} | {r['speedup']:.1f}x | "
+            f"{r['diffusion_vs_single']:.1f}x | {_ratio(r.get('ranked_vs_single'))} | "
             f"{r['inputs_vs_single']:.1f}x | {r['bound_vs_single']:.1f}x | "
             f"{r['trigger_vs_single']:.3f}x | {a['decode']:.3f} | "
             f"{a['encode'] + a.get('context', 0.0) + a['search']:.3f} | {d['encode']:.3f} | "
@@ -282,6 +292,14 @@ def markdown(report: dict) -> str:
     if report.get("baseline"):
         lines += baseline_table(report)
     return "\n".join(lines) + "\n"
+
+
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}x"
 
 
 def baseline_table(report: dict) -> list[str]:
