@@ -27,6 +27,7 @@ class BlockDataset(Protocol):
     queries: list[str]
     query_emb: np.ndarray  # (N, d) float32
     target_emb: np.ndarray  # (N, k, d) float32
+    target_rows: np.ndarray  # (N, k) int64 catalog rows
     query_index: np.ndarray  # (N,) int64 into `queries`
 
 

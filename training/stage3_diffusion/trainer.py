@@ -238,14 +238,17 @@ def batch_of(data: BlockDataset, config: TrainConfig, generator: torch.Generator
                                                   dtype=np.float32)).to(device)
     target = torch.from_numpy(np.ascontiguousarray(data.target_emb[picks],
                                                    dtype=np.float32)).to(device)
-    neighbours = None if context is None else context.of(picks, device)  # (B, C, d)
     if config.model.ordered and config.target_order == "query":
         target = sorted_by_query(target, query)
-    elif config.model.ordered and config.target_order == "context" and neighbours is not None:
+    elif config.model.ordered and config.target_order == "context":
+        if context is None:
+            raise ValueError("target_order 'context' needs the blocks' neighbourhood")
         # the context is in the ranker's order: row i learns to copy a slot from i to i + C − k
-        target = sorted_by_context(target, neighbours)
+        order = context_order(data.target_rows[picks], context.rows[picks])  # (B, k)
+        target = torch.gather(target, 1, torch.from_numpy(order).to(device)[..., None]
+                              .expand(-1, -1, target.shape[2]))
     rows = rows_from_block(target, config.model.rows, generator)  # (B, L, d)
-    return query, rows, neighbours
+    return query, rows, None if context is None else context.of(picks, device)
 
 
 def sorted_by_query(target: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -254,12 +257,16 @@ def sorted_by_query(target: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     return torch.gather(target, 1, order[..., None].expand(-1, -1, target.shape[2]))
 
 
-def sorted_by_context(target: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-    """(B, k, d) blocks with their items in the order of the context items (B, C, d) they are
-    nearest (an item of the context is itself), the context's first slot first."""
-    slots = (target @ context.transpose(1, 2)).argmax(dim=2)  # (B, k)
-    order = torch.argsort(slots, dim=1, stable=True)  # (B, k)
-    return torch.gather(target, 1, order[..., None].expand(-1, -1, target.shape[2]))
+def context_order(target_rows: np.ndarray, context_rows: np.ndarray) -> np.ndarray:
+    """(B, k) positions that put each block's catalog rows (B, k) in the order of its context's
+    rows (B, C), by the first slot holding each; a block item outside its context is refused
+    (only a teacher that chose among that context writes blocks this order fits)."""
+    match = target_rows[:, :, None] == context_rows[:, None, :]  # (B, k, C)
+    if not match.any(axis=2).all():
+        raise BundleError("target_order 'context' needs every block item in its context: "
+                          "stage 2 from the ranker teacher among the same context "
+                          "(r4t synthesize --teacher ranker)")
+    return np.argsort(match.argmax(axis=2), axis=1, kind="stable")
 
 
 def ledger(state: TrainState, config: TrainConfig, data: BlockDataset) -> dict[str, Any]:
@@ -353,11 +360,11 @@ def cmd_train_diffusion(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = train_preset(args.preset, **given(args, "steps", "batch", "lr", "seed",
-                                               "target_order"))
+    overrides = given(args, "steps", "batch", "lr", "seed", "target_order")
     model = given(args, "context_source", "context", "layers", "hidden", "mlp", "heads")
     if model:  # DenoiserConfig refuses a bad value with an InputError
-        config = replace(config, model=replace(config.model, **model))
+        overrides["model"] = replace(train_preset(args.preset).model, **model)
+    config = train_preset(args.preset, **overrides)  # the order checked against the model
     run_dir = args.run_dir or args.bundle / "runs" / RUN_NAME
     device = device_of(args.device)
     summary = train_on_bundle(args.bundle, config, args.dataset, run_dir, fresh=args.fresh,

@@ -27,6 +27,7 @@ from training.stage3_diffusion.solvers import (
 from training.stage3_diffusion.trainer import (
     CHECKPOINT,
     batch_of,
+    context_order,
     dsm_loss,
     load_ema,
     lr_factor,
@@ -210,16 +211,21 @@ def test_context_target_order_puts_each_block_in_its_context_order():
                           target_order="context")
     picks = torch.randint(0, len(data.query_emb), (config.batch,),
                           generator=torch.Generator().manual_seed(1)).numpy()
-    _, target, context = batch_of(data, config, torch.Generator().manual_seed(1), neighbourhood)
-    assert context is not None
-    slots = (target @ context.transpose(1, 2)).argmax(dim=2)  # (B, k)
-    assert (slots.diff(dim=1) > 0).all()  # distinct items, first slot first
-    written = torch.from_numpy(data.target_emb[picks])  # the same items as the teacher wrote
-    assert torch.allclose(torch.sort(target.sum(2), dim=1).values,
-                          torch.sort(written.sum(2), dim=1).values)
-    assert not torch.equal(target, written)
+    _, target, _ = batch_of(data, config, torch.Generator().manual_seed(1), neighbourhood)
+    for b, block in enumerate(picks.tolist()):  # by each item's slot in its context
+        slot = {int(row): i for i, row in enumerate(neighbourhood.rows[block])}
+        rows = sorted(data.target_rows[block].tolist(), key=slot.__getitem__)
+        assert torch.equal(target[b], torch.from_numpy(data.catalog[rows]))
+    assert not torch.equal(target, torch.from_numpy(data.target_emb[picks]))  # reordered
     with pytest.raises(InputError, match="context"):  # no context to order by
         replace(config, model=preset("tiny", ordered=True))
+
+
+def test_context_order_takes_a_repeated_slot_once_and_refuses_an_item_outside():
+    context = np.array([[7, 3, 7, 5, 9]])  # a query with fewer candidates repeats them
+    assert context_order(np.array([[5, 7, 9]]), context).tolist() == [[1, 0, 2]]
+    with pytest.raises(BundleError, match="every block item in its context"):
+        context_order(np.array([[5, 8, 9]]), context)
 
 
 def test_denoiser_is_permutation_equivariant_over_rows():
