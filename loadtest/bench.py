@@ -217,6 +217,7 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
 def _row(b: int, clocks: dict[str, dict[str, float]], config: dict, peak: float) -> dict:
     d, a, single = clocks["diffusion"], clocks["ar"], clocks["single"]
     d_total, a_total, s_total = compute_s(d), compute_s(a), compute_s(single)
+    ranked = compute_s(clocks["ranked"]) if "ranked" in clocks else None
     baseline = {} if "baseline" not in clocks else {
         "baseline_s": compute_s(clocks["baseline"]), "baseline_stages_s": clocks["baseline"],
         "diffusion_vs_baseline": d_total / compute_s(clocks["baseline"])}
@@ -231,8 +232,7 @@ def _row(b: int, clocks: dict[str, dict[str, float]], config: dict, peak: float)
         "diffusion_s": d_total, "diffusion_stages_s": d,
         "ar_s": a_total, "ar_stages_s": {key: v for key, v in a.items() if key != "tokens"},
         "single_s": s_total, "single_stages_s": single,
-        "ranked_s": compute_s(clocks["ranked"]) if "ranked" in clocks else None,
-        "ranked_vs_single": compute_s(clocks["ranked"]) / s_total if "ranked" in clocks else None,
+        "ranked_s": ranked, "ranked_vs_single": None if ranked is None else ranked / s_total,
         "trigger_s": clocks["trigger"]["decide"],
         "trigger_vs_single": clocks["trigger"]["decide"] / s_total,
         "ar_tokens": int(a.get("tokens", 0)), "ar_tokens_per_query": a.get("tokens", 0.0) / b,

@@ -11,6 +11,7 @@ ranker's training (training/stage1_fanout/ranker.py), its evaluation and the ser
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Sequence
@@ -145,6 +146,13 @@ class MentionFeatures:
 
     def tokens(self, text: str) -> list[str]:
         return index_tokens(self.lexical, text)
+
+    def with_words(self, words: MentionWords) -> MentionFeatures:
+        """These candidates and per-item caches, the mention's words read as `words`' ids: a
+        ranker learns its words from the rows of the features it then computes with them."""
+        shared = copy.copy(self)
+        shared.words = words
+        return shared
 
 
 def mention_position(described: tuple[str, ...], asked: list[str]) -> int | None:

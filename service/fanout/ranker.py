@@ -104,10 +104,17 @@ class ScoredCandidates:
     them: what the ranked route chooses from, and the context a student distilled from the
     ranker attends to (`best`)."""
 
-    def __init__(self, bundle: Bundle, ranker: Ranker | None = None) -> None:
+    def __init__(self, bundle: Bundle, ranker: Ranker | None = None,
+                 features: MentionFeatures | None = None) -> None:
+        """`features`: the bundle's, shared by scorers that differ only in their model or
+        redundancy (their per-item caches kept); they must read the ranker's sizes and words."""
         self.ranker = ranker or Ranker.load(bundle.path / RANKER_DIR)
         config = self.ranker.config
-        self.features = MentionFeatures(bundle, config.sizes, config.words)
+        if features is None:
+            features = MentionFeatures(bundle, config.sizes, config.words)
+        elif (features.sizes, features.words) != (config.sizes, config.words):
+            raise ValueError("shared mention features must read the ranker's sizes and words")
+        self.features = features
 
     def __call__(self, texts: Sequence[str], queries: np.ndarray
                  ) -> list[tuple[np.ndarray, np.ndarray]]:

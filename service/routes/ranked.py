@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.bundle import Bundle
+from service.fanout.mentions import MentionFeatures
 from service.fanout.ranker import Ranker, ScoredCandidates
 from service.routes.picks import PickingRoute
 from service.runtime.encoder import Encoder
@@ -21,9 +22,10 @@ class RankedRoute(PickingRoute):
     name = "ranked"
     choice_stage = "rank"
 
-    def __init__(self, bundle: Bundle, encoder: Encoder, ranker: Ranker | None = None) -> None:
+    def __init__(self, bundle: Bundle, encoder: Encoder, ranker: Ranker | None = None,
+                 features: MentionFeatures | None = None) -> None:
         super().__init__(bundle, encoder)
-        self.scored = ScoredCandidates(bundle, ranker)
+        self.scored = ScoredCandidates(bundle, ranker, features)
         self.ranker, self.features = self.scored.ranker, self.scored.features
 
     def describe(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
 from service.errors import InputError
-from service.fanout.mentions import CandidateSizes
+from service.fanout.mentions import CandidateSizes, MentionFeatures
 from service.fanout.ranker import Ranker
 from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
@@ -63,6 +63,7 @@ def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHA
     words, *rows = learned_rows(bundle, encoder, sizes, train, held_out_items(bundle_dir),
                                 config.words)
     blocks = split_rows(*rows)
+    features = MentionFeatures(bundle, sizes, words)  # one per curve: its caches kept
     curve = []
     plan = [(s, d) for s in shares for d in range(draws if s < 1 else 1)]
     for share, draw in tqdm(plan, desc="ranker curve", unit="fit"):
@@ -72,10 +73,10 @@ def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHA
                       np.concatenate([blocks[i][1] for i in chosen]),
                       [len(blocks[i][1]) for i in chosen], config)
         tried = tune(bundle, encoder, sizes, booster, val, config.redundancies, words,
-                     baseline=False, report=False)
+                     baseline=False, report=False, features=features)
         best = max(tried, key=tried.__getitem__)
         on_split = tried[best] if split == "val" else coverage(
-            RankedRoute(bundle, encoder, Ranker(best, booster)), scored)
+            RankedRoute(bundle, encoder, Ranker(best, booster), features), scored)
         curve.append({"share": share, "draw": draw, "train_queries": n,
                       "redundancy": best.redundancy, "val_coverage@10": tried[best],
                       f"{split}_coverage@10": on_split})

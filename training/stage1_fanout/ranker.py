@@ -30,7 +30,13 @@ from service.artifacts.bundle import (
     stage,
 )
 from service.errors import InputError
-from service.fanout.mentions import CATEGORICAL, FEATURES, CandidateSizes, MentionWords
+from service.fanout.mentions import (
+    CATEGORICAL,
+    FEATURES,
+    CandidateSizes,
+    MentionFeatures,
+    MentionWords,
+)
 from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranker, RankerConfig
 from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
@@ -114,9 +120,10 @@ def learned_rows(bundle: Any, encoder: Encoder, sizes: CandidateSizes,
                  ) -> tuple[MentionWords, np.ndarray, np.ndarray, list[int]]:
     """The words learned from the train queries' candidates, then their labeled rows
     (`labeled`) with those words: what the stage and its learning curve train on."""
-    words = learn_words(RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes=sizes))),
-                        train, n_words)
-    path = RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes=sizes, words=words)))
+    unworded = RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes=sizes)))
+    words = learn_words(unworded, train, n_words)
+    path = RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes=sizes, words=words)),
+                       unworded.features.with_words(words))  # items read once, not twice
     return (words, *labeled(path, train, held))
 
 
@@ -146,15 +153,19 @@ def coverage(path: RankedRoute, queries: list[BenchmarkQuery]) -> float:
 
 def tune(bundle: Any, encoder: Encoder, sizes: CandidateSizes, booster: Any | None,
          val: list[BenchmarkQuery], redundancies: tuple[float, ...], words: MentionWords,
-         baseline: bool = True, report: bool = True) -> dict[RankerConfig, float]:
+         baseline: bool = True, report: bool = True,
+         features: MentionFeatures | None = None) -> dict[RankerConfig, float]:
     """Val coverage@10 of each scorer (the trained model, and the label-free order, which a
-    model must beat to be served) at each redundancy weight; NaN without labeled val."""
+    model must beat to be served) at each redundancy weight; NaN without labeled val. The
+    scorers share one feature computer (`features`, else the bundle's with these words)."""
     tried: dict[RankerConfig, float] = {}
+    features = features or MentionFeatures(bundle, sizes, words)
     models = [RANKER_MODEL] if booster is not None else []
     for model in ([None] if baseline or not models else []) + models:  # a tie: no model
         for weight in redundancies if val else (0.0,):
             config = RankerConfig(sizes, weight, FEATURES, model, words)
-            path = RankedRoute(bundle, encoder, Ranker(config, booster if model else None))
+            path = RankedRoute(bundle, encoder, Ranker(config, booster if model else None),
+                               features)
             tried[config] = coverage(path, val) if val else float("nan")
             if report:
                 print(f"ranker: {model or 'label-free'}, redundancy {weight}: val "

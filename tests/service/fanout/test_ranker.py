@@ -21,7 +21,7 @@ from service.fanout.mentions import (
     MentionWords,
     neighbours,
 )
-from service.fanout.ranker import Ranker, RankerConfig
+from service.fanout.ranker import Ranker, RankerConfig, ScoredCandidates
 from service.runtime.encoder import Encoder
 
 
@@ -110,3 +110,15 @@ def test_served_features_carry_the_words_either_side_of_each_mention(bundle):
     # an item whose text never names the query has no words around a mention
     assert all(b == NO_MENTION for (b, _), m in zip(around, mentioned, strict=True) if not m)
     assert any(b != NO_MENTION for b, _ in around)
+
+
+def test_scorers_share_features_only_when_they_read_the_same_words(bundle):
+    words = MentionWords(("a",), ("of",))
+    plain = MentionFeatures(bundle)
+    worded = plain.with_words(words)
+    assert worded.words == words and plain.words == MentionWords()
+    assert worded.parts is plain.parts  # one per-item cache, the items read once
+    ranker = Ranker(RankerConfig(model=None, words=words))
+    assert ScoredCandidates(bundle, ranker, worded).features is worded
+    with pytest.raises(ValueError, match="sizes and words"):
+        ScoredCandidates(bundle, ranker, plain)
