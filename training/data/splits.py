@@ -4,7 +4,8 @@ WordNet default: every noun synset with 50–2000 hyponym descendants is a broad
 first lemma is the text); its reference set is its descendants, grouped by its direct
 hyponym branches. A user's benchmark is JSONL {"query": str, "groups": [[item ids], ...]}
 (groups optional; "target": the one item the query names, for a narrow query's hit@1). Splits
-are deterministic by query (80/10/10, fixed seed).
+are deterministic by query text (about 80/10/10, fixed seed): the senses of one text share
+a split.
 
 Label-free stages read the query texts only (`query_texts`). The one supervised stage, the
 ranker, learns from the train queries' groups (a team's click or judgment logs), never from a
@@ -26,6 +27,7 @@ from training.data.wordnet import Synset, descendant_counts, descendants, load_n
 
 SPLITS = ("train", "val", "test")
 SPLIT_FRACTIONS = (0.8, 0.1, 0.1)
+SPLIT_RULE = "by-text"  # the queries sharing a text share a split (the benchmark key holds it)
 MIN_DESCENDANTS, MAX_DESCENDANTS = 50, 2000
 BENCHMARK_DIR = "benchmark"
 
@@ -63,16 +65,22 @@ def wordnet_queries(synsets: dict[str, Synset] | None = None) -> list[BenchmarkQ
 
 
 def split_queries(queries: list[BenchmarkQuery], seed: int) -> dict[str, list[BenchmarkQuery]]:
-    """Shuffle with a fixed seed and cut 80/10/10; the same input always gives the same split."""
-    order = np.random.default_rng(seed).permutation(len(queries))
+    """Shuffle the distinct query texts with a fixed seed and cut about 80/10/10 by query count:
+    the queries that share a text (case-insensitively; WordNet's senses of one lemma) land in
+    one split, so no val or test text is a training text. The same input gives the same split."""
+    by_text: dict[str, list[BenchmarkQuery]] = {}
+    for query in queries:
+        by_text.setdefault(query.query.strip().lower(), []).append(query)
+    texts = list(by_text)
+    order = np.random.default_rng(seed).permutation(len(texts))
     n_train = round(SPLIT_FRACTIONS[0] * len(queries))
     n_val = round(SPLIT_FRACTIONS[1] * len(queries))
-    shuffled = [queries[i] for i in order]
-    return {
-        "train": shuffled[:n_train],
-        "val": shuffled[n_train : n_train + n_val],
-        "test": shuffled[n_train + n_val :],
-    }
+    splits: dict[str, list[BenchmarkQuery]] = {name: [] for name in SPLITS}
+    for i in order:
+        taken = len(splits["train"]), len(splits["val"])
+        name = "train" if taken[0] < n_train else "val" if taken[1] < n_val else "test"
+        splits[name].extend(by_text[texts[i]])
+    return splits
 
 
 def read_benchmark_file(path: Path, known_ids: set[str] | None = None) -> list[BenchmarkQuery]:

@@ -38,3 +38,13 @@ def test_split_is_deterministic_disjoint_and_80_10_10(wordnet_synsets):
     assert abs(len(ids["train"]) / len(queries) - 0.8) < 0.01
     other = split_queries(queries, seed=1)
     assert [q.id for q in other["test"]] != [q.id for q in a["test"]]
+
+
+def test_split_puts_every_sense_of_a_text_in_one_split(wordnet_synsets):
+    queries = wordnet_queries(wordnet_synsets)
+    texts = [q.query.lower() for q in queries]
+    assert len(set(texts)) < len(texts)  # WordNet has broad queries that share a text
+    splits = split_queries(queries, seed=0)
+    train = {q.query.lower() for q in splits["train"]}
+    for held_out in ("val", "test"):
+        assert not {q.query.lower() for q in splits[held_out]} & train
