@@ -13,6 +13,7 @@ date (read by service/artifacts/progress.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ from typing import Any
 
 from service.artifacts.items import ItemStore
 from service.artifacts.lexical import LEXICAL_FILE, LexicalIndex
+from service.artifacts.parts import PARTS_FILE, ItemParts
 from service.errors import BundleError
 from service.runtime.encoder import EncoderConfig
 from service.runtime.index import FaissIndex, IndexChoice, VectorIndex, chosen_index, load_index
@@ -343,6 +345,14 @@ class Bundle:
 
     def has(self, name: str) -> bool:
         return name in self.manifest.get("files", {})
+
+    @functools.cached_property
+    def parts(self) -> ItemParts | None:
+        """The catalog's part embeddings (service.artifacts.parts), None in a bundle built
+        before the catalog stage wrote them; memory-mapped on first use."""
+        if not self.has(PARTS_FILE):
+            return None
+        return ItemParts.load(self.path, tuple(self.manifest.get("parts", ())), len(self.items))
 
 
 def load_bundle(bundle_dir: Path, index_choice: IndexChoice | None = None,

@@ -16,12 +16,20 @@ from tqdm import tqdm
 from service.artifacts.bundle import CONTENT_KEY, INDEX_FILE, config_hash, sha256_file, stage
 from service.artifacts.items import ITEMS_FILE, ItemStore
 from service.artifacts.lexical import LEXICAL_FILE, MAX_DF, TOKENIZER, build_lexical_index
+from service.artifacts.parts import PARTS_FILE
 from service.errors import BundleError
 from service.runtime.encoder import ENCODER_FOLDER, MATRYOSHKA_DIMS, Encoder, EncoderConfig
 from service.runtime.index import build_index, save_index
 from training.data.catalog import WORDNET, Catalog
 from training.data.encoder import encoder_source, export_encoder, source_key
-from training.data.splits import read_benchmark_file, split_queries, wordnet_queries, write_splits
+from training.data.parts import PART_NAMES, embed_parts
+from training.data.splits import (
+    SPLIT_RULE,
+    read_benchmark_file,
+    split_queries,
+    wordnet_queries,
+    write_splits,
+)
 
 EMBED_CHUNK = 4096
 LEXICAL_KEY: dict[str, Any] = {"engine": "sqlite-fts5", "tokenize": TOKENIZER, "max_df": MAX_DF}
@@ -60,15 +68,18 @@ def catalog_stage(
     record: dict[str, Any] = {}
     with stage(bundle_dir, manifest, "catalog", record) as staged:
         encoder = catalog_encoder(config, staged)
-        embeddings = embed_texts(Encoder(encoder), catalog.texts)
+        embeddings = embed_texts(Encoder(encoder), catalog.texts)  # (M, d)
         with tqdm(total=1, desc=f"index ({config.index_factory or 'Flat'})") as bar:
             index = build_index(embeddings, config.index_factory)
             save_index(index, staged / INDEX_FILE)
             bar.update(1)
         store = ItemStore(catalog.ids, catalog.texts, embeddings, catalog.metadata)
+        served = Encoder(encoder)
+        np.save(staged / PARTS_FILE, embed_parts(
+            catalog.texts, encoder.dim, lambda texts, desc: embed_texts(served, texts, desc)))
         exported = sorted(p.relative_to(staged).as_posix()
                           for p in (staged / ENCODER_FOLDER).glob("*"))  # none for WordLlama
-        files = [*store.save(staged), INDEX_FILE, *exported]
+        files = [*store.save(staged), INDEX_FILE, PARTS_FILE, *exported]
         record.update(stage_record(key, started, n_items=len(catalog)),  # the plan's key
                       files=files)
         record[CONTENT_KEY] = {ITEMS_FILE: sha256_file(staged / ITEMS_FILE),
@@ -76,6 +87,7 @@ def catalog_stage(
         manifest["n_items"] = len(catalog)
         manifest["config"] = asdict(config)
         manifest["encoder"] = {"name": encoder.name, "dim": encoder.dim}
+        manifest["parts"] = list(PART_NAMES)  # the columns of PARTS_FILE
         if encoder.folder is not None:
             manifest["encoder"]["folder"] = ENCODER_FOLDER
 
@@ -144,7 +156,7 @@ def encoder_content(encoder: EncoderConfig) -> dict[str, Any]:
 def catalog_key(config: CatalogConfig) -> dict[str, Any]:
     """The catalog stage's config: what its vectors and index are a function of."""
     key: dict[str, Any] = {"source": config.source, "dim": config.dim}
-    key["index_factory"] = config.index_factory
+    key["index_factory"], key["parts"] = config.index_factory, list(PART_NAMES)
     if config.encoder != CatalogConfig.encoder:  # a WordLlama bundle keeps its earlier key
         key["encoder"] = source_key(encoder_source(config.encoder))
     if config.source != WORDNET and Path(config.source).is_file():
@@ -153,9 +165,10 @@ def catalog_key(config: CatalogConfig) -> dict[str, Any]:
 
 
 def benchmark_key(config: CatalogConfig) -> dict[str, Any]:
-    """The benchmark stage's config: its source, file and split seed."""
+    """The benchmark stage's config: its source, file, split seed and split rule (a bundle
+    split by query before texts shared a split rebuilds)."""
     key: dict[str, Any] = {"source": config.source, "benchmark": config.benchmark}
-    key["seed"] = config.seed
+    key["seed"], key["split"] = config.seed, SPLIT_RULE
     if config.benchmark and Path(config.benchmark).is_file():
         key["benchmark_sha256"] = sha256_file(Path(config.benchmark))
     return key
