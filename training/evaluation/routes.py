@@ -1,11 +1,12 @@
 """The `routes` stage: which fan-out route a bundle serves by default, measured on its own val
 split, so no user is served a learned model that loses to a cheaper route on their catalog.
 
-The last stage of `r4t bundle`: each fan-out route the bundle has (diffusion, ranked, hybrid) and
-`single` run through the harness on val; the fan-out route with the best coverage@10 whose
-recall@5k is not below single's becomes the default arm (single when none is), beside the AR
-arm's share when the bundle has an AR policy. The table and the weights land in
-`routes.json`, which the service reads when R4T_ROUTES is unset.
+The last stage of `r4t bundle`: each fan-out route the bundle has (diffusion, ranked, hybrid)
+and `single` run through the harness on val. Among the fan-out routes whose recall@5k is not
+below single's, those within `tie_se` paired standard errors of the best coverage@10 are tied,
+and the cheapest (time per answer, measured in the same run) becomes the default arm (single
+when none keeps its recall), beside the AR arm's share when the bundle has an AR policy. The
+table and the weights land in `routes.json`, which the service reads when R4T_ROUTES is unset.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from service.artifacts.bundle import (
     ROUTES_FILE,
     config_hash,
@@ -24,6 +27,7 @@ from service.artifacts.bundle import (
     stage,
 )
 from service.routes import ROUTE_ORDER
+from training.data.metrics import standard_error
 from training.evaluation.harness import evaluate
 
 # fan-out route: the stage it needs (its model's; `hybrid` has none, only the lexical index)
@@ -40,17 +44,36 @@ class RoutesConfig:
     metric: str = "coverage@10"
     ar_share: float = 0.1  # the AR arm's weight beside the winner, when the bundle has one
     candidates: tuple[str, ...] = FANOUT_ROUTES  # the fan-out routes measured, when built
+    tie_se: float = 2.0  # routes closer than this many paired se to the best are tied
+
+
+COST = "latency_ms_per_query"  # the harness's time per answer: the price ties are broken by
+PER_QUERY = "per_query"  # a table row's per-query values of the metric, for the paired tie
 
 
 def routes_stage_config(config: RoutesConfig = RoutesConfig()) -> dict[str, Any]:
     return asdict(config)
 
 
-def choose(table: dict[str, dict[str, float]], config: RoutesConfig) -> str:
-    """The best fan-out route by `config.metric` whose recall@5k is at least single's."""
+def choose(table: dict[str, dict[str, Any]], config: RoutesConfig) -> str:
+    """The cheapest fan-out route tied with the best by `config.metric` (within `tie_se`
+    paired se, where the rows hold per-query values), among those whose recall@5k is at
+    least single's."""
     floor = table["single"]["recall@5k"]
     fair = [r for r in FANOUT_ROUTES if r in table and table[r]["recall@5k"] >= floor]
-    return max(fair, key=lambda r: table[r][config.metric], default="single")
+    if not fair:
+        return "single"
+    best = max(fair, key=lambda r: table[r][config.metric])
+    tied = [r for r in fair if r == best or _tied(table[best], table[r], config.tie_se)]
+    return min(tied, key=lambda r: (table[r].get(COST, 0.0), FANOUT_ROUTES.index(r)))
+
+
+def _tied(best: dict[str, Any], other: dict[str, Any], tie_se: float) -> bool:
+    """Whether `other` is within `tie_se` paired standard errors of `best`."""
+    if PER_QUERY not in best or PER_QUERY not in other:
+        return False
+    diff = np.asarray(best[PER_QUERY], dtype=float) - np.asarray(other[PER_QUERY], dtype=float)
+    return float(diff.mean()) <= tie_se * standard_error(diff)
 
 
 def weights(best: str, has_ar: bool, config: RoutesConfig) -> str:
@@ -70,13 +93,16 @@ def select_routes(bundle_dir: Path, config: RoutesConfig = RoutesConfig()) -> di
     bundle = load_bundle(bundle_dir)
     table = {}
     for route in routes:
-        metrics = evaluate(bundle, route, config.split, seeds=config.seeds)["metrics"]
+        report = evaluate(bundle, route, config.split, seeds=config.seeds)
+        metrics = report["metrics"]
         table[route] = {m: float(metrics[m]) for m in ("coverage@10", "recall@5k",
-                                                      "precision@10", "latency_ms_per_query")}
+                                                      "precision@10", COST)}
+        table[route][PER_QUERY] = report["diagnostics"]["per_query"][config.metric]
     best = choose(table, config)
     served = weights(best, any(p in stages for p in AR_POLICIES), config)
     print(f"routes on {config.split}: " + ", ".join(
-        f"{r} {row['coverage@10']:.3f} coverage@10 / {row['recall@5k']:.3f} recall@5k"
+        f"{r} {row['coverage@10']:.3f} coverage@10 / {row['recall@5k']:.3f} recall@5k / "
+        f"{row[COST]:.2f} ms"
         for r, row in table.items()) + f"\nroutes: serving {served} (R4T_ROUTES overrides)",
         flush=True)
     key = routes_stage_config(config)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from service.artifacts.bundle import ROUTES_FILE, read_manifest
@@ -30,6 +31,28 @@ def row(coverage: float, recall: float) -> dict[str, float]:
 ])
 def test_the_best_fanout_that_keeps_singles_recall_wins(table, best):
     assert choose(table, CONFIG) == best
+
+
+def measured(coverage: list[float], recall: float, ms: float) -> dict:
+    return {"coverage@10": sum(coverage) / len(coverage), "recall@5k": recall,
+            "latency_ms_per_query": ms, "per_query": coverage}
+
+
+def test_a_route_tied_with_the_best_on_val_wins_when_it_is_cheaper():
+    rng = np.random.default_rng(0)
+    best = rng.uniform(0, 0.6, 90).tolist()
+    near = [c - 0.1 if i in (3, 7) else c for i, c in enumerate(best)]  # a hair below
+    far = [max(0.0, c - 0.1) for c in best]  # clearly below
+    single = measured([0.1] * 90, 0.5, 0.2)
+    tied = {"ranked": measured(best, 0.6, 5.0), "diffusion": measured(near, 0.6, 1.0),
+            "single": single}
+    assert choose(tied, CONFIG) == "diffusion"
+    apart = {"ranked": measured(best, 0.6, 5.0), "diffusion": measured(far, 0.6, 1.0),
+             "single": single}
+    assert choose(apart, CONFIG) == "ranked"
+    dearer = {"ranked": measured(best, 0.6, 5.0), "diffusion": measured(near, 0.6, 9.0),
+              "single": single}
+    assert choose(dearer, CONFIG) == "ranked"
 
 
 def test_weights_keep_the_ar_arm_only_where_there_is_one():
