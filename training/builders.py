@@ -126,9 +126,10 @@ def _build_synthesis(build: StageBuild, manifest: dict[str, Any]) -> dict[str, A
     if context is not None:  # the ranker: blocks among the student's context
         from training.stage2_synthesis.teachers import synthesize_blocks
 
+        among = configs.diffusion.model.among
         synthesize_blocks(build.bundle_dir, configs.synthesis.teacher, configs.synthesis,
-                          context, run_dir)
-        return commit_synthesis(build.bundle_dir, configs.synthesis, run_dir, context)
+                          context, run_dir, among)
+        return commit_synthesis(build.bundle_dir, configs.synthesis, run_dir, context, among)
     policy = _checkpoint(run_dir_for(build.bundle_dir, configs.grpo.reward) / FINAL, "folm")
     local = chosen_backend(configs.synthesis.backend, configs.synthesis.decoding) == "local"
     if local and not (run_dir / POLICY_ONNX).exists():  # it samples the bundle's export

@@ -70,7 +70,8 @@ def stage_keys(catalog: CatalogConfig, configs: Recipe | None = None) -> dict[st
                                 asdict(POLICY_PRESETS[configs.warmstart.preset]))
         keys["folm"] = policy_stage_config(asdict(configs.grpo))
         keys["synthesis"] = synthesis_stage_config(
-            configs.synthesis, block_context(configs.synthesis, configs.diffusion.model.context))
+            configs.synthesis, block_context(configs.synthesis, configs.diffusion.model.context),
+            configs.diffusion.model.among)
         keys["diffusion"] = diffusion_stage_config(configs.export,
                                                    config_hash(configs.diffusion.to_dict()))
     return keys

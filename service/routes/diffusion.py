@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.artifacts.bundle import Bundle
+from service.artifacts.parts import ItemParts, context_features
 from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
@@ -57,6 +58,7 @@ class DiffusionContext:
         if self.source not in CONTEXT_SOURCES:
             raise BundleError(f"unknown diffusion context source {self.source!r}; "
                               f"use one of {CONTEXT_SOURCES}")
+        self.parts = self._parts(bundle, tuple(config.get("parts", ())))
         self.prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
         if self.n and self.source == "ranked":  # a student distilled from the ranker
             self.prompt = RankedNeighbourhood(bundle, self.n)
@@ -64,6 +66,17 @@ class DiffusionContext:
             source = str(config.get("candidates", UNRECORDED_SOURCE))
             self.prompt = PromptNeighbourhood(Candidates.of(bundle, source), bundle.items.texts,
                                               bundle.items.embeddings, self.n)
+
+    @staticmethod
+    def _parts(bundle: Bundle, names: tuple[str, ...]) -> ItemParts | None:
+        """The bundle's item parts when the model reads them (the ones it was trained on)."""
+        if not names:
+            return None
+        if bundle.parts is None or bundle.parts.names != names:
+            held = None if bundle.parts is None else list(bundle.parts.names)
+            raise BundleError(f"the diffusion model reads item parts {list(names)}, the bundle "
+                              f"holds {held}: `r4t catalog` rebuilds them")
+        return bundle.parts
 
     def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
         """(B, C) catalog rows of the context items, or None without a context."""
@@ -79,8 +92,14 @@ class DiffusionContext:
             return None
         return np.ascontiguousarray(self.bundle.items.embeddings[rows], dtype=np.float32)
 
+    def features(self, rows: np.ndarray, queries: np.ndarray) -> np.ndarray:
+        """(B, C, d [+ P]) what the sampler reads of context rows (B, C)."""
+        return context_features(self.bundle.items.embeddings, self.parts, rows, queries)
+
     def __call__(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
-        return self.embeddings(self.rows(texts, queries))  # (B, C, d) or None
+        """(B, C, d [+ P]) the sampler's context input, or None without a context."""
+        rows = self.rows(texts, queries)
+        return None if rows is None else self.features(rows, queries)
 
 
 def repeat_draws(queries: np.ndarray, context: np.ndarray | None,
@@ -92,17 +111,20 @@ def repeat_draws(queries: np.ndarray, context: np.ndarray | None,
 
 
 def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | None,
-              context: np.ndarray | None) -> np.ndarray:
+              context: np.ndarray | None, features: np.ndarray | None = None) -> np.ndarray:
     """The sampler's rows (B, L, d) for queries (B, d). With `draws` D > 1 in its config, D
     blocks per query come from one run over the batch repeated D times, and each query keeps
     the L rows whose items are the first distinct ones, draw after draw
-    (`first_distinct_rows`): a row that repeats an item is replaced from the next draw."""
+    (`first_distinct_rows`): a row that repeats an item is replaced from the next draw.
+    context: the context's embeddings (B, C, d); features: what the sampler reads of it
+    (default: the embeddings)."""
+    features = context if features is None else features
     draws = int(sampler.config.get("draws", 1))
     if draws < 1:
         raise BundleError(f"diffusion.json: draws must be at least 1, got {draws}")
     if draws == 1:
-        return sampler.sample(queries, seed=seed, context=context)
-    repeated, repeated_context = repeat_draws(queries, context, draws)
+        return sampler.sample(queries, seed=seed, context=features)
+    repeated, repeated_context = repeat_draws(queries, features, draws)
     rows = sampler.sample(repeated, seed=seed, context=repeated_context)
     b, length = len(queries), rows.shape[1]  # rows (B·D, L, d), each query's draws adjacent
     if rows.shape[0] != b * draws:
@@ -135,10 +157,12 @@ class DiffusionRoute:
         clock.lap("encode")
         context_rows = self.context.rows([q.text for q in batch], queries)  # (B, C) or None
         context = self.context.embeddings(context_rows)  # (B, C, d) or None
-        if context is not None:
+        features = None  # (B, C, d [+ P]): the sampler's context
+        if context_rows is not None:
+            features = self.context.features(context_rows, queries)
             clock.lap("context")
         rows = np.asarray(draw_rows(self.bundle.index, self.sampler, queries, self.seed,
-                                    context), dtype=np.float32)
+                                    context, features), dtype=np.float32)
         if rows.ndim != 3 or rows.shape[0] != len(batch) or rows.shape[2] != queries.shape[1]:
             raise RuntimeError(f"sampler returned shape {rows.shape}, expected (B, L, d)")
         if not np.isfinite(rows).all():

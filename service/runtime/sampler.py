@@ -65,7 +65,7 @@ class DiffusionSampler:
             raise ValueError(f"query_emb must be (B, {self.dim}), got {query.shape}")
         if not self.context:
             return {"query": query}
-        expected = (len(query), self.context, self.dim)
+        expected = (len(query), self.context, self.dim + len(self.config.get("parts", ())))
         if context is None or context.shape != expected:
             got = None if context is None else context.shape
             raise ValueError(f"this sampler needs context {expected} (see "
@@ -76,7 +76,7 @@ class DiffusionSampler:
                noise: np.ndarray | None = None,
                context: np.ndarray | None = None) -> np.ndarray:
         """Generated rows (B, L, d), unit-norm, for query embeddings (B, d) and, when the model
-        has one, their context (B, C, d)."""
+        has one, their context (B, C, d [+ P])."""
         feeds = self.feeds(query_emb, context)
         batch = len(feeds["query"])
         if noise is None:

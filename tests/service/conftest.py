@@ -3,8 +3,9 @@ uvicorn servers on 127.0.0.1.
 
 The serving bundle is the session's small WordNet bundle (tests/conftest.py) plus a real
 `diffusion/` stage exported by `r4t export diffusion`'s code from a tiny denoiser trained for
-a few steps: shaped as the default bundle's (rows = k = 10, a context of the items the fan-out
-prompt names, one draw of one Euler step), smaller (16 context items, the `tiny` width). Only
+a few steps: shaped as the default bundle's (rows = k = 10, a context of the query's nearest
+items with their parts' cosines, one draw of one Euler step), smaller (16 context items, the
+`tiny` width). Only
 the bundles whose sampler misbehaves on purpose (`broken_bundle`, `fragile_bundle`) carry a
 hand-built toy graph instead (`sampler_graph`).
 """
@@ -40,7 +41,8 @@ from training.data.splits import BenchmarkQuery
 
 ROWS = 10  # rows = k, as the default bundle's sampler
 DIM = 128
-CONTEXT = 16  # the served sampler attends to the 16 items its query's fan-out prompt names
+CONTEXT = 16  # the served sampler attends to its query's 16 nearest items and their parts
+CONTEXT_SOURCE = "nearest"
 DRAWS = 1
 SOLVER, STEPS = "euler", 1
 TRAIN_STEPS = 4
@@ -132,10 +134,14 @@ def export_tiny_diffusion(bundle_dir: Path, run_dir: Path) -> dict[str, Any]:
     from training.stage3_diffusion.export import ExportConfig, export_diffusion
 
     torch.set_num_threads(1)
+    from training.data.parts import PART_NAMES
+
     # one block and a few training steps keep the session's setup short (the dynamo export
-    # of one step graph dominates it); ordered rows and a prompt context as the `cpu` preset
+    # of one step graph dominates it); ordered rows and a context of the nearest items and
+    # their parts, as the `cpu` preset
     checkpoint = tiny_checkpoint(run_dir, rows=ROWS, steps=TRAIN_STEPS, context=CONTEXT,
-                                 context_source="prompt", ordered=True, layers=1)
+                                 context_source=CONTEXT_SOURCE, ordered=True, layers=1,
+                                 parts=PART_NAMES)
     return export_diffusion(bundle_dir, checkpoint,
                             ExportConfig(solver=SOLVER, steps=STEPS, draws=DRAWS))
 
@@ -152,7 +158,7 @@ def serving_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFact
     write_manifest(target, manifest)
     config = export_tiny_diffusion(target, root / "run")
     assert (config["rows"], config["context"], config["context_source"], config["draws"]) == (
-        ROWS, CONTEXT, "prompt", DRAWS)
+        ROWS, CONTEXT, CONTEXT_SOURCE, DRAWS)
     return target
 
 

@@ -35,6 +35,7 @@ from training.data.query_sets import load_queries
 from training.data.splits import BenchmarkQuery
 from training.evaluation.auto import ar_led, auto, auto_ar, diffusion_led
 from training.evaluation.baselines import BASELINES, Method, MethodOutput
+from training.evaluation.context_scorer import context_scorer
 from training.evaluation.diffusion_method import diffusion
 from training.evaluation.fanout import FANOUT_METHODS
 from training.evaluation.llm import LLM_METHODS
@@ -52,7 +53,7 @@ DIAGNOSTICS = ("distinct_subqueries", "recall@5k_union", "pool_size", "union_poo
 METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS, **LLM_METHODS,
                                              "diffusion": diffusion, "auto": auto,
                                              "auto-ar": auto_ar, "diffusion-led": diffusion_led,
-                                             "ar-led": ar_led}
+                                             "ar-led": ar_led, "context-scorer": context_scorer}
 AR_POLICY = ("folm", "folm-warmstart")  # the AR route serves either
 _PROMPTED = "lexical"  # the prompts' and the student's candidates are hybrid: they read it
 # the bundle stages each method reads besides the catalog (and the split's benchmark)
@@ -62,6 +63,7 @@ METHOD_STAGES: dict[str, tuple[str | tuple[str, ...], ...]] = {
     **dict.fromkeys(("folm-warmstart", "best-of-5"), (_PROMPTED, "folm-warmstart")),
     "folm": (_PROMPTED, "folm"),
     "ranked": (_PROMPTED, "ranker"),
+    "context-scorer": (),  # it reads a stage-2 run (the bundle's, or its `dataset`)
     **dict.fromkeys(LLM_METHODS, (_PROMPTED, "llm")),
     **dict.fromkeys(("diffusion", "auto", "diffusion-led"), (_PROMPTED, "diffusion")),
     **dict.fromkeys(("auto-ar", "ar-led"), (_PROMPTED, AR_POLICY)),

@@ -19,7 +19,7 @@ from training.stage2_synthesis.synthesis import (
     commit_synthesis,
     synthesize,
 )
-from training.stage2_synthesis.teachers import RANKED_CONTEXT, synthesize_blocks
+from training.stage2_synthesis.teachers import AMONG, RANKED_CONTEXT, synthesize_blocks
 
 
 def cmd_synthesize(args: argparse.Namespace) -> None:
@@ -36,9 +36,9 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
                              "--run-dir (then `r4t train diffusion --dataset DIR "
                              "--context-source ranked`)")
         run_dir = Path(args.run_dir) if args.run_dir else args.bundle / "runs" / SYNTHESIS_RUN
-        synthesize_blocks(args.bundle, args.teacher, config, args.context, run_dir)
+        synthesize_blocks(args.bundle, args.teacher, config, args.context, run_dir, args.among)
         if not args.run_dir:  # the bundle's own stage 2
-            commit_synthesis(args.bundle, config, run_dir, args.context)
+            commit_synthesis(args.bundle, config, run_dir, args.context, args.among)
         return
     from training.stage1_fanout.export import default_checkpoint
 
@@ -88,5 +88,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "positive control), both among the ranker's best --context items")
     syn.add_argument("--context", type=positive, default=RANKED_CONTEXT,
                      help="--teacher ranker|oracle: the student's context size")
+    syn.add_argument("--among", default="ranked", choices=AMONG,
+                     help="--teacher ranker|oracle: the student's context: the ranker's best "
+                          "--context candidates, or the query's --context nearest items")
     syn.add_argument("--threads", type=int, default=SynthesisConfig.threads)
     syn.set_defaults(func=cmd_synthesize)

@@ -336,21 +336,23 @@ def block_context(config: SynthesisConfig, student: int) -> int | None:
     return None if config.teacher == "folm" else (student or PROMPT_RECIPE.context)
 
 
-def synthesis_stage_config(config: SynthesisConfig, context: int | None = None
-                           ) -> dict[str, Any]:
-    """The config the `synthesis` stage is current by, with a picking teacher's context (its
-    blocks change with it)."""
+def synthesis_stage_config(config: SynthesisConfig, context: int | None = None,
+                           among: str = "ranked") -> dict[str, Any]:
+    """The config the `synthesis` stage is current by, with a picking teacher's context and
+    what it is (its blocks change with them)."""
     key: dict[str, Any] = {"synthesis": asdict(config)}
     if context is not None:
         key["context"] = int(context)
+        if among != "ranked":  # earlier keys stay as they were
+            key["among"] = among
     return key
 
 
 def commit_synthesis(bundle_dir: Path, config: SynthesisConfig, run_dir: Path,
-                     context: int | None = None) -> dict[str, Any]:
+                     context: int | None = None, among: str = "ranked") -> dict[str, Any]:
     """Record stage 2 in the manifest (its dataset stays in `run_dir`: no bundle files), so
     the stages that read it can tell when it changed; returns the manifest."""
-    key = synthesis_stage_config(config, context)
+    key = synthesis_stage_config(config, context, among)
     ledger = _load_ledger(run_dir)
     if not ledger.get("kept"):
         raise BundleError(f"{run_dir}: stage 2 kept no sample ({ledger}); nothing to train on")

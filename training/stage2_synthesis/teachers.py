@@ -2,10 +2,11 @@
 ranker (`--teacher ranker`), sampled as the policy is, at a temperature; or the labels
 (`--teacher oracle`), a positive control for stage 3: blocks of one item per labeled group.
 
-Both choose among the student's context, the ranker's best C candidates
-(`RankedNeighbourhood`), so the student is trained to pick where it will pick when served
-(`context_source = "ranked"`). The run folder is `synthesize`'s (shards of query_index, rows,
-target), so `r4t train diffusion` reads either unchanged.
+Both choose among the student's context, so the student is trained to pick where it will
+pick when served: the ranker's best C candidates (`RankedNeighbourhood`, `context_source =
+"ranked"`), or the query's C nearest items, each scored by the ranker (`among = "nearest"`,
+a student that needs no ranker at serve time). The run folder is `synthesize`'s (shards of
+query_index, rows, target), so `r4t train diffusion` reads either unchanged.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import numpy as np
 from tqdm import tqdm
 
 from service.artifacts.bundle import git_commit, load_bundle
+from service.errors import InputError
 from service.fanout.format import item_names
 from service.fanout.ranker import ScoredCandidates
 from service.runtime.encoder import Encoder
+from service.runtime.index import neighbour_rows
 from training.data.splits import disjoint_train, query_texts, training_queries
 from training.stage2_synthesis.synthesis import SHARDS, SynthesisConfig, save_shard
 
@@ -29,6 +32,7 @@ TERMS = ("reward", "ground", "diversity", "alignment")  # not scored here: zeros
 # the ranker's best 12: the teacher picks 10 of them, and so does its student (the best 16
 # and 24 measured lower on val, docs/experiments.md 2026-12-04 night II)
 RANKED_CONTEXT = 12
+AMONG = ("ranked", "nearest")  # the student's context: the ranker's best C, the C nearest
 
 
 def ranker_block(scores: np.ndarray, embeddings: np.ndarray, scored: ScoredCandidates, k: int,
@@ -72,9 +76,28 @@ def teacher_queries(bundle_dir: Path, teacher: str, config: SynthesisConfig
                            for i in range(len(queries))]
 
 
+def nearest_scored(scored: ScoredCandidates, index: Any, texts: list[str], queries: np.ndarray,
+                   n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per query, its n nearest rows (best first) and the ranker's scores of them: each row's
+    features computed among the ranker's own candidates, so a nearest item the hybrid list
+    holds keeps its rank there."""
+    nearest = neighbour_rows(index, queries, n)  # (Q, n)
+    found = scored.features.candidates(texts, queries)
+    out = []
+    for text, query, near, (rows, listed) in zip(texts, queries, nearest, found, strict=True):
+        rows = np.array(list(dict.fromkeys([*rows.tolist(), *near.tolist()])), dtype=np.int64)
+        scores = scored.ranker.score(scored.features.features(text, query, rows, listed))
+        by_row = dict(zip(rows.tolist(), scores.tolist(), strict=True))
+        out.append((near, np.array([by_row[r] for r in near.tolist()])))
+    return out
+
+
 def synthesize_blocks(bundle_dir: Path, teacher: str, config: SynthesisConfig, context: int,
-                      run_dir: Path) -> Path:
-    """Write `teacher`'s blocks for its queries into `run_dir`; returns it."""
+                      run_dir: Path, among: str = "ranked") -> Path:
+    """Write `teacher`'s blocks for its queries into `run_dir`; returns it. `among`: the
+    student's context the teacher chooses in (AMONG)."""
+    if among not in AMONG:
+        raise InputError(f"among must be one of {AMONG}, got {among!r}")
     started = time.perf_counter()
     bundle = load_bundle(bundle_dir)
     queries, groups, samples = teacher_queries(bundle_dir, teacher, config)
@@ -89,9 +112,12 @@ def synthesize_blocks(bundle_dir: Path, teacher: str, config: SynthesisConfig, c
     batch = 64
     for start in tqdm(range(0, len(queries), batch), desc=f"{teacher} blocks", unit="batch"):
         texts, vectors = queries[start:start + batch], query_emb[start:start + batch]
-        for i, (rows, scores) in enumerate(scored(texts, vectors), start=start):
-            best = np.argsort(-scores, kind="stable")[:context]
-            rows, scores = rows[best], scores[best]  # (C,) the student's context
+        found = scored(texts, vectors) if among == "ranked" else \
+            nearest_scored(scored, bundle.index, texts, vectors, context)
+        for i, (rows, scores) in enumerate(found, start=start):
+            if among == "ranked":
+                best = np.argsort(-scores, kind="stable")[:context]
+                rows, scores = rows[best], scores[best]  # (C,) the student's context
             served = None  # at T = 0 every sample is the ranker's one answer: chosen once
             if groups is None and config.temperature == 0:
                 served = scored.ranker.choose(scores, embeddings[rows], config.k)
@@ -115,7 +141,7 @@ def synthesize_blocks(bundle_dir: Path, teacher: str, config: SynthesisConfig, c
     wall = time.perf_counter() - started
     (run_dir / "config.json").write_text(json.dumps({
         "stage": "synthesis", "teacher": teacher, "config": config.__dict__, "context": context,
-        "candidates": "ranked", "n_queries": len(queries), "seed": config.seed,
+        "candidates": "ranked", "among": among, "n_queries": len(queries), "seed": config.seed,
         "git_commit": git_commit()}, indent=2) + "\n")
     (run_dir / "ledger.json").write_text(json.dumps({
         "samples": int(sum(samples)), "kept": kept, "dropped": int(sum(samples)) - kept,

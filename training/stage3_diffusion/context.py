@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from service.artifacts.parts import ItemParts, context_features
 from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
@@ -33,20 +34,27 @@ class BlockDataset(Protocol):
 
 @dataclass(frozen=True)
 class Neighbourhood:
-    """The denoiser's context for every block: its query's C nearest catalog rows, best first."""
+    """The denoiser's context for every block: its query's C catalog rows, best first, read as
+    the service reads them (`context_features`: embeddings, and with `parts` their cosines)."""
 
     rows: np.ndarray  # (N, C) int64 into `embeddings`
     embeddings: np.ndarray  # (M, d) float32, the catalog
+    # with item parts: each distinct query's context features (U, C, d + P), computed once,
+    # and each block's query among them (N,)
+    features: np.ndarray | None = None
+    query_of: np.ndarray | None = None
 
     def of(self, picks: np.ndarray, device: str = "cpu") -> torch.Tensor:
-        """(B, C, d) context embeddings of the blocks `picks`."""
+        """(B, C, d [+ P]) context of the blocks `picks`."""
+        if self.features is not None and self.query_of is not None:
+            return torch.from_numpy(self.features[self.query_of[picks]]).to(device)
         return torch.from_numpy(np.ascontiguousarray(self.embeddings[self.rows[picks]],
                                                      dtype=np.float32)).to(device)
 
 
 def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, n: int,
-                        prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
-                        ) -> Neighbourhood:
+                        prompt: PromptNeighbourhood | RankedNeighbourhood | None = None,
+                        parts: ItemParts | None = None) -> Neighbourhood:
     """Look each distinct query up once (its n nearest items, or with `prompt` the n items its
     prompt names); blocks of one query share its context."""
     _, first, inverse = np.unique(data.query_emb, axis=0, return_index=True,
@@ -56,7 +64,11 @@ def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, 
     else:
         texts = [data.queries[int(data.query_index[i])] for i in first]
         rows = prompt.rows(texts, data.query_emb[first])  # (U, C)
-    return Neighbourhood(rows[inverse.reshape(-1)], embeddings)  # rows (N, C)
+    inverse = inverse.reshape(-1)
+    if parts is None:
+        return Neighbourhood(rows[inverse], embeddings)  # rows (N, C)
+    features = context_features(embeddings, parts, rows, data.query_emb[first])  # (U, C, W)
+    return Neighbourhood(rows[inverse], embeddings, features, inverse)
 
 
 def check_context_size(dataset_dir: Path, n: int, source: str) -> dict[str, Any]:
@@ -99,8 +111,15 @@ def bundle_context(bundle_dir: Path, data: BlockDataset, model: DenoiserConfig,
     if model.context_source == "ranked":
         check_context_size(dataset_dir, n, "ranked")
         prompt = RankedNeighbourhood(bundle, n)
+    elif model.parts:  # the query's n nearest, each scored by the ranker in stage 2
+        check_context_size(dataset_dir, n, "nearest")
+        if bundle.parts is None or bundle.parts.names != model.parts:
+            raise BundleError(f"the denoiser reads item parts {list(model.parts)}; "
+                              f"{bundle_dir} holds {bundle.manifest.get('parts')}: `r4t "
+                              "catalog` rebuilds them")
     elif model.context_source == "prompt":
         check_prompt_context(dataset_dir, n, model.candidates)
         prompt = PromptNeighbourhood(Candidates.of(bundle, model.candidates),
                                      bundle.items.texts, bundle.items.embeddings, n)
-    return block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt)
+    return block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt,
+                               bundle.parts if model.parts else None)

@@ -18,6 +18,13 @@ chose
 from; or "nearest", the query's C nearest. CFG's null condition drops the query and the
 cross-attention.
 
+With item parts (`parts`, the standalone student) each context item is read by an MLP over its
+embedding and its parts' cosines to the query, and D is a mixture of the context items,
+softmax(logits)·context, the logits (B, L, C) from the last hidden rows against keys of the
+items (CDCD's score interpolation, Dieleman et al. 2022), trained by cross-entropy on which item
+each row is: among a query's nearest items, which differ little in embedding, a vector output
+lands between them.
+
 Rows vs slots: with L = k row i is slot i; with L > k training fills the extra rows with copies
 of items of the same block, and serving keeps the k rows that resolve most confidently.
 """
@@ -35,8 +42,10 @@ from service.errors import BundleError, InputError
 from service.fanout.candidates import CANDIDATE_SOURCES, UNRECORDED_SOURCE
 from service.fanout.format import PROMPT_RECIPE
 from service.routes.diffusion import CONTEXT_SOURCES
+from training.data.parts import PART_NAMES
 from training.stage2_synthesis.teachers import RANKED_CONTEXT
 
+STANDALONE_CONTEXT = 128
 # Options of earlier configs whose other values were removed: their surviving value.
 REMOVED_OPTIONS: dict[str, str] = {"conditioning": "adaln", "head": "vector"}
 
@@ -63,6 +72,9 @@ class DenoiserConfig:
     context_source: str = "nearest"
     # where the prompt's names come from (service.fanout.candidates), as the teacher's were
     candidates: str = UNRECORDED_SOURCE
+    # the item parts (service.artifacts.parts) whose cosine to the query each context item also
+    # carries: (B, C, d + P) context, read through an MLP; () = embeddings alone
+    parts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.context_source not in CONTEXT_SOURCES:
@@ -75,6 +87,19 @@ class DenoiserConfig:
             raise InputError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
         if self.rows < self.k:
             raise InputError(f"rows L={self.rows} must be at least k={self.k}")
+        if self.parts and (not self.context or self.context_source != "nearest"):
+            raise InputError("parts describe the query's nearest items: the denoiser needs a "
+                             "context (context > 0, context_source 'nearest')")
+
+    @property
+    def context_width(self) -> int:
+        """Width of one context item: its embedding, then its parts' cosines to the query."""
+        return self.dim + len(self.parts)
+
+    @property
+    def among(self) -> str:
+        """What a picking stage-2 teacher chooses among (training.stage2_synthesis.teachers)."""
+        return "nearest" if self.context_source == "nearest" else "ranked"
 
     def to_dict(self) -> dict[str, Any]:
         """As a dict; the default context source is left out, so configs (and the hashes a
@@ -84,6 +109,10 @@ class DenoiserConfig:
             del config["context_source"]
         if config["candidates"] == UNRECORDED_SOURCE:
             del config["candidates"]
+        if not config["parts"]:
+            del config["parts"]
+        else:
+            config["parts"] = list(config["parts"])
         return config
 
     @classmethod
@@ -96,6 +125,7 @@ class DenoiserConfig:
             if value != kept:
                 raise BundleError(f"{name}={value!r} is no longer supported (only {kept!r}): "
                                   "retrain the denoiser")
+        config["parts"] = tuple(config.get("parts", ()))
         return cls(**config)
 
 
@@ -108,6 +138,10 @@ PRESETS: dict[str, DenoiserConfig] = {
                           ordered=True, context_source="ranked",
                           candidates=PROMPT_RECIPE.candidates),
     "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
+    # no teacher at serve time: the query's STANDALONE_CONTEXT nearest items, each with its
+    # parts' cosines to the query (service.artifacts.parts), chosen among by the ranker offline
+    "standalone": DenoiserConfig(hidden=128, mlp=512, layers=2, heads=4,
+                                 context=STANDALONE_CONTEXT, ordered=True, parts=PART_NAMES),
 }
 
 
@@ -207,8 +241,12 @@ class Denoiser(nn.Module):
         self.blocks = nn.ModuleList(
             Block(h, config.mlp, config.heads, config.context > 0) for _ in range(config.layers)
         )
+        if config.parts:  # an MLP per context item: which parts match is not linear in them
+            self.item = nn.Sequential(nn.Linear(config.context_width, h),
+                                      nn.GELU(approximate="tanh"))
+            self.pointer = nn.Linear(h, h)  # the items' keys for the rows' logits
         if config.context > 0:  # keys and values of the context, shared by every layer
-            self.memory = nn.Linear(config.dim, 2 * h)
+            self.memory = nn.Linear(h if config.parts else config.dim, 2 * h)
             self.rank = nn.Parameter(torch.zeros(config.context, 2 * h))  # (C, 2·hidden)
         self.final_norm = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
         self.final_mod = nn.Linear(h, 2 * h)
@@ -233,9 +271,20 @@ class Denoiser(nn.Module):
                 context: torch.Tensor | None = None) -> torch.Tensor:
         """D (B, L, d) at noisy rows x (B, L, d), σ (B,), query (B, d), context (B, C, d) when
         the model has one; keep (B,) is 1 to keep the condition, 0 for CFG's null one."""
+        if self.config.parts and context is not None:  # a mixture of the context items
+            weights = torch.softmax(self.context_logits(x, sigma, query, keep, context), -1)
+            return weights @ context[..., : self.config.dim]  # (B, L, C) @ (B, C, d)
         c_skip, c_out, c_in, c_noise = self.preconditioning(sigma)
-        f = self.network(c_in[:, None, None] * x, c_noise, query, keep, context)  # (B, L, d)
-        return c_skip[:, None, None] * x + c_out[:, None, None] * f
+        f = self.head(self.network(c_in[:, None, None] * x, c_noise, query, keep, context))
+        return c_skip[:, None, None] * x + c_out[:, None, None] * f  # (B, L, d)
+
+    def context_logits(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
+                       keep: torch.Tensor | None, context: torch.Tensor) -> torch.Tensor:
+        """(B, L, C): which of the C context items each row is (trained by cross-entropy)."""
+        _, _, c_in, c_noise = self.preconditioning(sigma)
+        h = self.network(c_in[:, None, None] * x, c_noise, query, keep, context)  # (B, L, h)
+        keys = self.pointer(self.item(context)) + self.rank[:, : self.config.hidden]  # (B, C, h)
+        return h @ keys.transpose(1, 2) / math.sqrt(self.config.hidden)  # (B, L, C)
 
     def guided(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
                cfg_weight: float, context: torch.Tensor | None = None) -> torch.Tensor:
@@ -254,7 +303,8 @@ class Denoiser(nn.Module):
     def network(self, x: torch.Tensor, c_noise: torch.Tensor, query: torch.Tensor,
                 keep: torch.Tensor | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:
-        """F_θ (B, L, d) of the scaled rows c_in·x (B, L, d) and c_noise (B,)."""
+        """The last hidden rows (B, L, hidden) of F_θ, for the scaled rows c_in·x (B, L, d) and
+        c_noise (B,); a head reads them out."""
         c = self.condition(c_noise, query, keep)  # (B, hidden)
         memory = self.context_memory(context, keep)
         # c enters every row token too: through the zero-initialised modulations alone the
@@ -266,8 +316,7 @@ class Denoiser(nn.Module):
             h = block(h, c, memory)  # (B, L, hidden)
         h = self.final_norm(h)
         shift, scale = self.final_mod(nn.functional.silu(c))[:, None, :].chunk(2, dim=-1)
-        h = h * (1 + scale) + shift  # (B, L, hidden)
-        return self.head(h)  # (B, L, d)
+        return h * (1 + scale) + shift  # (B, L, hidden)
 
     def condition(self, c_noise: torch.Tensor, query: torch.Tensor,
                   keep: torch.Tensor | None) -> torch.Tensor:
@@ -280,15 +329,16 @@ class Denoiser(nn.Module):
 
     def context_memory(self, context: torch.Tensor | None,
                        keep: torch.Tensor | None) -> Memory | None:
-        """Keys, values (B, H, C, Dh) and keep gate (B, 1, 1) from context (B, C, d)."""
+        """Keys, values (B, H, C, Dh) and keep gate (B, 1, 1) from context (B, C, d [+ P])."""
         if self.config.context == 0:
             return None
-        if context is None or context.shape[1:] != (self.config.context, self.config.dim):
+        width = self.config.context_width
+        if context is None or context.shape[1:] != (self.config.context, width):
             got = None if context is None else tuple(context.shape)
-            raise ValueError(f"context must be (B, {self.config.context}, {self.config.dim}), "
-                             f"got {got}")
+            raise ValueError(f"context must be (B, {self.config.context}, {width}), got {got}")
         b, c, _ = context.shape
-        kv = self.memory(context) + self.rank  # (B, C, 2·hidden)
+        items = self.item(context) if self.config.parts else context  # (B, C, hidden | d)
+        kv = self.memory(items) + self.rank  # (B, C, 2·hidden)
         kv = kv.reshape(b, c, 2, self.config.heads, -1).permute(2, 0, 3, 1, 4)  # (2, B, H, C, Dh)
         return kv[0], kv[1], None if keep is None else keep[:, None, None]  # gate (B, 1, 1)
 
@@ -307,7 +357,8 @@ def flops_per_step(config: DenoiserConfig, cfg: bool = False) -> int:
     h, n, c = config.hidden, config.rows, config.context
     layer = 4 * h * h + 2 * h * config.mlp + (2 * h * h if c else 0)
     per_row = config.dim * h + h * config.dim + config.layers * layer
-    per_query = config.fourier * h + h * h + config.dim * h + h * h + c * config.dim * 2 * h
+    memory = config.context_width * h + 3 * h * h if config.parts else config.dim * 2 * h
+    per_query = config.fourier * h + h * h + config.dim * h + h * h + c * memory
     per_query += config.layers * 6 * h * h + 2 * h * h  # adaLN-Zero modulations
     attention = config.layers * 2 * n * (n + c) * h
     flops = 2 * (n * per_row + per_query + attention)

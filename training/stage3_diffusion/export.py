@@ -89,7 +89,7 @@ def export_step(model: Denoiser, cfg_weight: float, path: Path) -> onnx.ModelPro
                                          torch.rand(3) + 0.1, torch.randn(3, config.dim))
     names = list(STEP_INPUTS)
     if config.context:
-        example += (torch.randn(3, config.context, config.dim),)
+        example += (torch.randn(3, config.context, config.context_width),)
         names.append(CONTEXT_INPUT)
     program = torch.onnx.export(
         GuidedStep(model, cfg_weight).eval(), example, dynamo=True, optimize=True,
@@ -127,7 +127,7 @@ class GraphWriter:
         """Inline one copy of the step graph; returns the name of its `denoised` output."""
         copy = self.name("step") + "."
         bound = {"x": x, "sigma": sigma_b, "query": query}
-        if step_context(self.step):
+        if step_context(self.step)[0]:
             # the sampler's own input of the same name (outer scope in a Loop body)
             bound[CONTEXT_INPUT] = CONTEXT_INPUT
 
@@ -186,20 +186,21 @@ def _loop(w: GraphWriter, step: onnx.ModelProto, heun: bool, sigmas: str, n: int
     return out
 
 
-def step_context(step: onnx.ModelProto) -> int:
-    """C of the step graph's `context` input (B, C, d); 0 when it has none."""
+def step_context(step: onnx.ModelProto) -> tuple[int, int]:
+    """(C, width) of the step graph's `context` input (B, C, d [+ P]); (0, 0) without one."""
     for value in step.graph.input:
         if value.name == CONTEXT_INPUT:
-            return int(value.type.tensor_type.shape.dim[1].dim_value)
-    return 0
+            dims = value.type.tensor_type.shape.dim
+            return int(dims[1].dim_value), int(dims[2].dim_value)
+    return 0, 0
 
 
-def sampler_inputs(rows: int, dim: int, context: int) -> list[onnx.ValueInfoProto]:
-    """query (B, d) [, context (B, C, d)], noise (B, L, d)."""
+def sampler_inputs(rows: int, dim: int, context: tuple[int, int]) -> list[onnx.ValueInfoProto]:
+    """query (B, d) [, context (B, C, d [+ P])], noise (B, L, d)."""
     inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, ["batch", dim])]
-    if context:
+    if context[0]:
         inputs.append(helper.make_tensor_value_info(CONTEXT_INPUT, TensorProto.FLOAT,
-                                                    ["batch", context, dim]))
+                                                    ["batch", *context]))
     inputs.append(helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["batch", rows, dim]))
     return inputs
 
@@ -260,9 +261,11 @@ def parity(model: Denoiser, sampler: onnx.ModelProto, config: ExportConfig) -> f
     noise = rng.standard_normal((config.parity_batch, mc.rows, mc.dim)).astype(np.float32)
     feeds = {"query": query, "noise": noise}
     context = None
-    if mc.context:  # unit rows, like the catalog embeddings served
+    if mc.context:  # unit rows, like the catalog embeddings served, then cosines
         rows = rng.standard_normal((config.parity_batch, mc.context, mc.dim)).astype(np.float32)
-        feeds[CONTEXT_INPUT] = rows / np.linalg.norm(rows, axis=-1, keepdims=True)
+        rows /= np.linalg.norm(rows, axis=-1, keepdims=True)
+        cosines = rng.uniform(-1, 1, (config.parity_batch, mc.context, len(mc.parts)))
+        feeds[CONTEXT_INPUT] = np.concatenate([rows, cosines.astype(np.float32)], axis=-1)
         context = torch.from_numpy(feeds[CONTEXT_INPUT])
     session = ort.InferenceSession(sampler.SerializeToString(),
                                    providers=["CPUExecutionProvider"])
@@ -289,7 +292,7 @@ def sampler_config(model: Denoiser, config: ExportConfig) -> dict[str, Any]:
     return {
         "rows": mc.rows, "k": mc.k, "dim": mc.dim, "context": mc.context,
         "context_source": mc.context_source, "candidates": mc.candidates,
-        "solver": config.solver,
+        "parts": list(mc.parts), "solver": config.solver,
         "steps": config.steps, "evaluations": nfe, "form": config.form,
         "cfg_weight": config.cfg_weight, "cfg_formula": CFG_FORMULA,
         "sigma_min": mc.sigma_min, "sigma_max": mc.sigma_max, "sigma_data": mc.sigma_data,

@@ -9,6 +9,7 @@ from service.fanout.candidates import Candidates
 from service.loopback import wait_ready
 from tests.service.conftest import (
     CONTEXT,
+    CONTEXT_SOURCE,
     DRAWS,
     MALFORMED_MARK,
     ROWS,
@@ -213,7 +214,7 @@ def test_info_reports_manifest_providers_and_routing(server):
     diffusion = served["paths"]["diffusion"]["config"]  # the export's diffusion.json
     assert {key: diffusion[key] for key in ("rows", "k", "context", "context_source", "draws",
                                             "solver", "steps")} == {
-        "rows": ROWS, "k": ROWS, "context": CONTEXT, "context_source": "prompt",
+        "rows": ROWS, "k": ROWS, "context": CONTEXT, "context_source": CONTEXT_SOURCE,
         "draws": DRAWS, "solver": SOLVER, "steps": STEPS}
     stage = served["bundle"]["manifest"]["stages"]["diffusion"]
     assert stage["config"]["export"]["draws"] == DRAWS and stage["sampler"]["rows"] == ROWS

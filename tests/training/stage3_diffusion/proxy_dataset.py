@@ -50,13 +50,22 @@ def synthetic_blocks(n_queries: int = 8, per_query: int = 4, k: int = 10, d: int
     )
 
 
-def synthetic_neighbourhood(data: ProxyDataset, n: int) -> Neighbourhood:
-    """The blocks' context: each query's n nearest items of the dataset's catalog."""
+def synthetic_neighbourhood(data: ProxyDataset, n: int,
+                            parts: tuple[str, ...] = ()) -> Neighbourhood:
+    """The blocks' context: each query's n nearest items of the dataset's catalog (with
+    `parts`, random unit part vectors for each item)."""
+    from service.artifacts.parts import ItemParts
     from service.runtime.index import build_index
     from training.stage3_diffusion.context import block_neighbourhood
 
     assert data.catalog is not None
-    return block_neighbourhood(data, build_index(data.catalog), data.catalog, n)
+    item_parts = None
+    if parts:
+        vectors = _unit(np.random.default_rng(1).normal(
+            size=(len(data.catalog), len(parts), data.catalog.shape[1])))
+        item_parts = ItemParts(parts, vectors.astype(np.float16))
+    return block_neighbourhood(data, build_index(data.catalog), data.catalog, n,
+                               parts=item_parts)
 
 
 def neighbour_blocks(bundle_dir: Path, per_query: int = 128, k: int = 10, top: int = 100,
@@ -93,7 +102,7 @@ def tiny_checkpoint(run_dir: Path, rows: int = 10, steps: int = 20, context: int
     model = preset("tiny", rows=rows, context=context, **model)
     config = train_preset("tiny", steps=steps, model=model)
     data = synthetic_blocks()
-    neighbours = synthetic_neighbourhood(data, context) if context else None
+    neighbours = synthetic_neighbourhood(data, context, model.parts) if context else None
     train(data, config, run_dir, progress=False, context=neighbours)
     return run_dir / CHECKPOINT
 

@@ -96,3 +96,19 @@ def test_a_model_with_context_exports_with_parity(tmp_path, form, solver):
                                    providers=["CPUExecutionProvider"])
     inputs = {i.name: i.shape for i in session.get_inputs()}
     assert inputs["context"][1:] == [4, 128] and set(inputs) == {"query", "context", "noise"}
+
+
+def test_a_model_reading_item_parts_exports_with_parity(tmp_path):
+    from training.stage3_diffusion.export import write_sampler
+
+    torch.set_num_threads(1)
+    model, _ = load_ema(tiny_checkpoint(tmp_path / "run", context=4, parts=("name", "head")))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    meta = write_sampler(model, ExportConfig(solver="euler", steps=1), tmp_path / "diffusion")
+    assert meta["parts"] == ["name", "head"] and meta["parity_max_abs_diff"] < 1e-3
+    session = ort.InferenceSession(str(tmp_path / "diffusion" / "sampler.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    assert inputs["context"][1:] == [4, 130]
