@@ -154,8 +154,11 @@ def test_a_wordllama_bundle_keeps_the_catalog_key_it_had_before_encoders_were_a_
         tmp_path):
     from training.pipeline import stage_keys
 
+    from training.data.parts import PART_NAMES
+
     assert stage_keys(CatalogConfig())["catalog"] == {"source": "wordnet", "dim": 128,
-                                                       "index_factory": None}
+                                                       "index_factory": None,
+                                                       "parts": list(PART_NAMES)}
     with pytest.raises(BundleError, match=r"--dim 100: WordLlama's dimensions are \(64"):
         build_catalog(tmp_path / "b", CatalogConfig(dim=100))
     assert not (tmp_path / "b").exists()
