@@ -152,9 +152,8 @@ def test_a_bundle_keeps_its_encoder_when_rebuilt_without_naming_it(encoder_bundl
 
 def test_a_wordllama_bundle_keeps_the_catalog_key_it_had_before_encoders_were_a_setting(
         tmp_path):
-    from training.pipeline import stage_keys
-
     from training.data.parts import PART_NAMES
+    from training.pipeline import stage_keys
 
     assert stage_keys(CatalogConfig())["catalog"] == {"source": "wordnet", "dim": 128,
                                                        "index_factory": None,
