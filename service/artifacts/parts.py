@@ -44,11 +44,10 @@ class ItemParts:
         return np.einsum("bcpd,bd->bcp", parts, queries.astype(np.float32))
 
 
-def context_features(embeddings: np.ndarray, parts: ItemParts | None, rows: np.ndarray,
+def context_features(context: np.ndarray, parts: ItemParts | None, rows: np.ndarray,
                      queries: np.ndarray | None) -> np.ndarray:
-    """(B, C, d [+ P]) what a student's context holds of its rows (B, C): their embeddings, and
-    with `parts` the query's cosine to each of their parts."""
-    context = np.asarray(embeddings[rows], dtype=np.float32)  # (B, C, d)
+    """(B, C, d [+ P]) what a student's context holds of its rows (B, C): their embeddings
+    `context` (B, C, d), and with `parts` the query's cosine to each of their parts."""
     if parts is None or queries is None:
         return np.ascontiguousarray(context)
     return np.concatenate([context, parts.similarities(rows, queries)], axis=-1)

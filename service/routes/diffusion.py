@@ -92,14 +92,16 @@ class DiffusionContext:
             return None
         return np.ascontiguousarray(self.bundle.items.embeddings[rows], dtype=np.float32)
 
-    def features(self, rows: np.ndarray, queries: np.ndarray) -> np.ndarray:
-        """(B, C, d [+ P]) what the sampler reads of context rows (B, C)."""
-        return context_features(self.bundle.items.embeddings, self.parts, rows, queries)
+    def features(self, context: np.ndarray, rows: np.ndarray, queries: np.ndarray
+                 ) -> np.ndarray:
+        """(B, C, d [+ P]) what the sampler reads of the context (B, C, d) of rows (B, C)."""
+        return context_features(context, self.parts, rows, queries)
 
     def __call__(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
         """(B, C, d [+ P]) the sampler's context input, or None without a context."""
         rows = self.rows(texts, queries)
-        return None if rows is None else self.features(rows, queries)
+        context = self.embeddings(rows)
+        return None if rows is None or context is None else self.features(context, rows, queries)
 
 
 def repeat_draws(queries: np.ndarray, context: np.ndarray | None,
@@ -158,8 +160,8 @@ class DiffusionRoute:
         context_rows = self.context.rows([q.text for q in batch], queries)  # (B, C) or None
         context = self.context.embeddings(context_rows)  # (B, C, d) or None
         features = None  # (B, C, d [+ P]): the sampler's context
-        if context_rows is not None:
-            features = self.context.features(context_rows, queries)
+        if context_rows is not None and context is not None:
+            features = self.context.features(context, context_rows, queries)
             clock.lap("context")
         rows = np.asarray(draw_rows(self.bundle.index, self.sampler, queries, self.seed,
                                     context, features), dtype=np.float32)

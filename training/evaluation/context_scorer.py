@@ -21,7 +21,7 @@ ROUNDS = 200
 
 def scorer_features(bundle: Bundle, rows: np.ndarray, queries: np.ndarray) -> np.ndarray:
     """(Q·C, 2 + P): each context item's rank, cosine to the query and parts' cosines."""
-    features = context_features(bundle.items.embeddings, bundle.parts, rows, queries)
+    features = context_features(bundle.items.embeddings[rows], bundle.parts, rows, queries)
     cosine = np.einsum("qcd,qd->qc", features[..., : queries.shape[1]], queries)  # (Q, C)
     rank = np.broadcast_to(np.arange(rows.shape[1], dtype=np.float32), rows.shape)
     table = np.concatenate([rank[..., None], cosine[..., None],

@@ -67,7 +67,7 @@ def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, 
     inverse = inverse.reshape(-1)
     if parts is None:
         return Neighbourhood(rows[inverse], embeddings)  # rows (N, C)
-    features = context_features(embeddings, parts, rows, data.query_emb[first])  # (U, C, W)
+    features = context_features(embeddings[rows], parts, rows, data.query_emb[first])  # (U, C, W)
     return Neighbourhood(rows[inverse], embeddings, features, inverse)
 
 

@@ -28,11 +28,11 @@ def test_context_features_are_embeddings_then_cosines():
     embeddings = unit(rng.normal(size=(6, 8))).astype(np.float32)
     parts = ItemParts(("a", "b"), unit(rng.normal(size=(6, 2, 8))).astype(np.float16))
     rows, queries = np.array([[1, 2, 4]]), unit(rng.normal(size=(1, 8))).astype(np.float32)
-    features = context_features(embeddings, parts, rows, queries)
+    features = context_features(embeddings[rows], parts, rows, queries)
     assert features.shape == (1, 3, 10)
     np.testing.assert_array_equal(features[0, :, :8], embeddings[[1, 2, 4]])
     np.testing.assert_allclose(features[..., 8:], parts.similarities(rows, queries))
-    np.testing.assert_array_equal(context_features(embeddings, None, rows, queries),
+    np.testing.assert_array_equal(context_features(embeddings[rows], None, rows, queries),
                                   embeddings[rows])
 
 
