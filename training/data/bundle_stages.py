@@ -68,13 +68,13 @@ def catalog_stage(
     record: dict[str, Any] = {}
     with stage(bundle_dir, manifest, "catalog", record) as staged:
         encoder = catalog_encoder(config, staged)
-        embeddings = embed_texts(Encoder(encoder), catalog.texts)  # (M, d)
+        served = Encoder(encoder)
+        embeddings = embed_texts(served, catalog.texts)  # (M, d)
         with tqdm(total=1, desc=f"index ({config.index_factory or 'Flat'})") as bar:
             index = build_index(embeddings, config.index_factory)
             save_index(index, staged / INDEX_FILE)
             bar.update(1)
         store = ItemStore(catalog.ids, catalog.texts, embeddings, catalog.metadata)
-        served = Encoder(encoder)
         np.save(staged / PARTS_FILE, embed_parts(
             catalog.texts, encoder.dim, lambda texts, desc: embed_texts(served, texts, desc)))
         exported = sorted(p.relative_to(staged).as_posix()

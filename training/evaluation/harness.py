@@ -132,17 +132,20 @@ def evaluate(
     seeded = "seed" in inspect.signature(METHODS[method]).parameters
     first = options.pop("seed", 0) if seeded else 0
     runs: list[list[dict]] = []
-    elapsed = 0.0
+    elapsed = cpu = 0.0
     for seed in range(first, first + (seeds if seeded else 1)):
         run = METHODS[method](bundle, k=k, **({"seed": seed} if seeded else {}), **options)
-        rows, seconds = _score(bundle, run, queries, encoder, f"eval {method}/{split}")
+        rows, seconds, cpu_seconds = _score(bundle, run, queries, encoder,
+                                            f"eval {method}/{split}")
         runs.append(rows)
         elapsed += seconds
+        cpu += cpu_seconds
     rows = [row for seed_rows in runs for row in seed_rows]
     metrics = {name: _mean([r[name] for r in rows]) for name in METRICS[:-1]}
     metrics["latency_ms_per_query"] = 1000.0 * elapsed / max(len(rows), 1)
     diagnostics: dict[str, Any] = {name: _mean([r[name] for r in rows]) for name in DIAGNOSTICS}
     diagnostics["seeds"] = len(runs)
+    diagnostics["cpu_ms_per_query"] = 1000.0 * cpu / max(len(rows), 1)
     diagnostics["per_seed"] = {name: [_mean([r[name] for r in seed_rows]) for seed_rows in runs]
                                for name in PER_SEED}
     diagnostics["per_query"] = {name: [_mean([seed_rows[i][name] for seed_rows in runs])
@@ -153,17 +156,19 @@ def evaluate(
 
 
 def _score(bundle: Bundle, run: Method, queries: list[BenchmarkQuery], encoder: Encoder,
-           desc: str) -> tuple[list[dict], float]:
-    """Per-query metric rows of one pass of `run` over `queries`, and its seconds."""
+           desc: str) -> tuple[list[dict], float, float]:
+    """Per-query metric rows of one pass of `run` over `queries`, its seconds and this
+    process's CPU seconds (what other processes on the machine do not inflate)."""
     rows: list[dict] = []
-    elapsed = 0.0
+    elapsed = cpu = 0.0
     for start in tqdm(range(0, len(queries), BATCH), desc=desc, unit="batch"):
         batch = queries[start : start + BATCH]
         texts = [q.query for q in batch]
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         embedded = encoder.encode(texts)  # (B, d)
         out = run(texts, embedded)
         elapsed += time.perf_counter() - began
+        cpu += time.process_time() - began_cpu
         terms = score_probes(bundle.index, bundle.items.embeddings, embedded, out.probes, out.valid)
         for i, query in enumerate(batch):
             row = query_metrics(query, out, i, bundle)
@@ -171,7 +176,7 @@ def _score(bundle: Bundle, run: Method, queries: list[BenchmarkQuery], encoder: 
             row["reward"] = terms.total[i]
             row["distinct_subqueries"] = float(terms.n_valid[i])
             rows.append(row)
-    return rows, elapsed
+    return rows, elapsed, cpu
 
 
 def _mean(values: list[float]) -> float | None:

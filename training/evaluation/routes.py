@@ -4,9 +4,10 @@ split, so no user is served a learned model that loses to a cheaper route on the
 The last stage of `r4t bundle`: each fan-out route the bundle has (diffusion, ranked, hybrid)
 and `single` run through the harness on val. Among the fan-out routes whose recall@5k is not
 below single's, those within `tie_se` paired standard errors of the best coverage@10 are tied,
-and the cheapest (time per answer, measured in the same run) becomes the default arm (single
-when none keeps its recall), beside the AR arm's share when the bundle has an AR policy. The
-table and the weights land in `routes.json`, which the service reads when R4T_ROUTES is unset.
+and the cheapest (this process's CPU per answer, measured in the same run) becomes the
+default arm (single when none keeps its recall), beside the AR arm's share when the bundle has
+an AR policy. The table and the weights land in `routes.json`, which the service reads when
+R4T_ROUTES is unset.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class RoutesConfig:
     tie_se: float = 2.0  # routes closer than this many paired se to the best are tied
 
 
-COST = "latency_ms_per_query"  # the harness's time per answer: the price ties are broken by
+COST = "cpu_ms_per_query"  # the harness's CPU per answer: the price ties are broken by
 PER_QUERY = "per_query"  # a table row's per-query values of the metric, for the paired tie
 
 
@@ -96,7 +97,8 @@ def select_routes(bundle_dir: Path, config: RoutesConfig = RoutesConfig()) -> di
         report = evaluate(bundle, route, config.split, seeds=config.seeds)
         metrics = report["metrics"]
         table[route] = {m: float(metrics[m]) for m in ("coverage@10", "recall@5k",
-                                                      "precision@10", COST)}
+                                                      "precision@10", "latency_ms_per_query")}
+        table[route][COST] = float(report["diagnostics"][COST])
         table[route][PER_QUERY] = report["diagnostics"]["per_query"][config.metric]
     best = choose(table, config)
     served = weights(best, any(p in stages for p in AR_POLICIES), config)

@@ -282,8 +282,9 @@ class Denoiser(nn.Module):
                        keep: torch.Tensor | None, context: torch.Tensor) -> torch.Tensor:
         """(B, L, C): which of the C context items each row is (trained by cross-entropy)."""
         _, _, c_in, c_noise = self.preconditioning(sigma)
-        h = self.network(c_in[:, None, None] * x, c_noise, query, keep, context)  # (B, L, h)
-        keys = self.pointer(self.item(context)) + self.rank[:, : self.config.hidden]  # (B, C, h)
+        items = self.item(context)  # (B, C, h): read once, for the memory and the keys
+        h = self.network(c_in[:, None, None] * x, c_noise, query, keep, context, items)
+        keys = self.pointer(items) + self.rank[:, : self.config.hidden]  # (B, C, h)
         return h @ keys.transpose(1, 2) / math.sqrt(self.config.hidden)  # (B, L, C)
 
     def guided(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
@@ -301,12 +302,13 @@ class Denoiser(nn.Module):
         return cond + cfg_weight * (cond - uncond)
 
     def network(self, x: torch.Tensor, c_noise: torch.Tensor, query: torch.Tensor,
-                keep: torch.Tensor | None = None,
-                context: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, context: torch.Tensor | None = None,
+                items: torch.Tensor | None = None) -> torch.Tensor:
         """The last hidden rows (B, L, hidden) of F_θ, for the scaled rows c_in·x (B, L, d) and
-        c_noise (B,); a head reads them out."""
+        c_noise (B,); a head reads them out. items: the context read per item, when the
+        caller has it."""
         c = self.condition(c_noise, query, keep)  # (B, hidden)
-        memory = self.context_memory(context, keep)
+        memory = self.context_memory(context, keep, items)
         # c enters every row token too: through the zero-initialised modulations alone the
         # query is learnt slowly
         h = self.embed(x) + c[:, None, :]  # (B, L, hidden)
@@ -327,8 +329,8 @@ class Denoiser(nn.Module):
             query = keep[:, None] * query + (1 - keep[:, None]) * self.null_query  # (B, d)
         return self.noise_mlp(fourier) + self.query_mlp(query)  # (B, hidden)
 
-    def context_memory(self, context: torch.Tensor | None,
-                       keep: torch.Tensor | None) -> Memory | None:
+    def context_memory(self, context: torch.Tensor | None, keep: torch.Tensor | None,
+                       items: torch.Tensor | None = None) -> Memory | None:
         """Keys, values (B, H, C, Dh) and keep gate (B, 1, 1) from context (B, C, d [+ P])."""
         if self.config.context == 0:
             return None
@@ -337,7 +339,8 @@ class Denoiser(nn.Module):
             got = None if context is None else tuple(context.shape)
             raise ValueError(f"context must be (B, {self.config.context}, {width}), got {got}")
         b, c, _ = context.shape
-        items = self.item(context) if self.config.parts else context  # (B, C, hidden | d)
+        if items is None:
+            items = self.item(context) if self.config.parts else context  # (B, C, hidden | d)
         kv = self.memory(items) + self.rank  # (B, C, 2·hidden)
         kv = kv.reshape(b, c, 2, self.config.heads, -1).permute(2, 0, 3, 1, 4)  # (2, B, H, C, Dh)
         return kv[0], kv[1], None if keep is None else keep[:, None, None]  # gate (B, 1, 1)
