@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from service.errors import R4TError
+from service.extras import missing_extra
 from service.settings import DEFAULT_BUNDLE
 
 TRAINING = "training.cli"  # its register(sub) adds every subcommand but serve (torch-free)
@@ -71,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except R4TError as exc:
         print(f"r4t: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:  # an optional package this install lacks: say which install
+        needed = missing_extra(exc)
+        if needed is None:
+            raise
+        print(f"r4t: error: r4t {args.command} needs {exc.name}, which is in {needed}",
+              file=sys.stderr)
         return 2
     return 0
 

@@ -25,6 +25,10 @@ class BundleError(R4TError):
     http_status = 503
 
 
+class BundleAbsentError(BundleError):
+    """No bundle at the path yet (no manifest): not built, or a build has not written it."""
+
+
 class OverloadError(R4TError):
     """The path cannot answer in time (queue full or expected wait too long); retry later."""
 

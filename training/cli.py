@@ -15,6 +15,7 @@ from service.settings import Settings
 from training.commands import register_diffusion, subcommand_group
 from training.data.catalog import WORDNET
 from training.data.query_sets import EVAL_SPLITS
+from training.library_noise import silence_library_noise
 from training.recipe import (  # torch-free: it imports stages 1-3 lazily
     BUNDLE_PRESETS,
     NEEDS_TORCH,
@@ -139,7 +140,7 @@ CURVE_STAGES = {"ceilings": ("catalog", "benchmark"),
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from service.artifacts.bundle import require_stages
-    from training.evaluation.report import write_html_report
+    from training.evaluation.report import NO_PLOTS, plotting, write_html_report
 
     for flag, stages in CURVE_STAGES.items():
         if getattr(args, flag):
@@ -167,7 +168,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         run_index_curve(args.bundle, args.split, args.k, args.seeds)
     else:
         evaluate_methods(args)
-    print(f"wrote {write_html_report(args.bundle)}")
+    without = "" if plotting() else f" (without plots: {NO_PLOTS})"
+    print(f"wrote {write_html_report(args.bundle)}{without}")
 
 
 def evaluate_methods(args: argparse.Namespace) -> None:
@@ -219,6 +221,7 @@ def cmd_table(args: argparse.Namespace) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add every training subcommand to the r4t command (service/command.py)."""
+    silence_library_noise()
 
     # no abbreviations: `--index` (an engine) must never read as `--index-factory` (FAISS)
     catalog = sub.add_parser("catalog", help="build the catalog, index and benchmark stages",

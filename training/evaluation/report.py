@@ -9,6 +9,8 @@ import base64
 import html
 import io
 import json
+from collections.abc import Callable
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ color:#1d232b;padding:0 1rem}figure{margin:1.5rem 0}figcaption{color:#445;max-wi
 img{max-width:100%}table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0 1.5rem}
 td,th{border:1px solid #dde;padding:.3rem .5rem;vertical-align:top;text-align:left}
 .hit{background:#dff5d8}.miss{color:#778}"""
+
+NO_PLOTS = "matplotlib is in the train extra (`make train-install`)"
 
 
 def load_reports(bundle_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
@@ -225,30 +229,44 @@ def figure(data: str | None, caption: str, missing: str) -> str:
             f"<figcaption>{caption}</figcaption></figure>")
 
 
-def write_html_report(bundle_dir: Path) -> Path:
-    """Write eval/report.html from every report in the bundle's eval folder."""
+def plotting() -> bool:
+    """Whether matplotlib (the train extra) is here; `make serve`'s install writes the report
+    without its plots."""
+    if find_spec("matplotlib") is None:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
+    return True
+
+
+def write_html_report(bundle_dir: Path) -> Path:
+    """Write eval/report.html from every report in the bundle's eval folder."""
+    plots = plotting()
+
+    def drawn(draw: Callable[..., str | None], *inputs: Any) -> str | None:
+        return draw(*inputs) if plots else None
+
     reports = load_reports(bundle_dir)
     items = ItemStore.load(bundle_dir, mmap=True)
     sections = [
         f"<h1>Evaluation of bundle <code>{html.escape(bundle_dir.name)}</code></h1>",
+        "" if plots else f"<p>Without plots: {html.escape(NO_PLOTS)}.</p>",
         "<h2>Quality per method</h2>",
-        figure(quality_figure(reports) if reports else None,
+        figure(drawn(quality_figure, reports) if reports else None,
                "How many of a query's branches (child categories) the 10 returned items touch "
                "(coverage@10), and how much of the query's subtree the method's 5,000-item pool "
                "holds (recall@5k). Longer is better; whiskers are ± one standard error over the "
                "split's queries, so bars whose whiskers overlap are not told apart.",
                "No evaluation reports yet: run <code>r4t eval</code>."),
         "<h2>Generation or selection?</h2>",
-        figure(reach_figure(reports),
+        figure(drawn(reach_figure, reports),
                "Each method's coverage against its reach, the best coverage any 10 of the "
                "candidates it chose from could give. A point far below the dashed line lost at "
                "selection; a point low on both axes never had the right candidates.",
                "No method reports reach@10 yet."),
         "<h2>When to fan out</h2>",
-        figure(trigger_figure(bundle_dir),
+        figure(drawn(trigger_figure, bundle_dir),
                "route=auto fans a query out when its breadth reaches a threshold. Left to "
                "right, lower thresholds fan out more queries: what that gains (green) and "
                "costs (red) against answering every query with one dense query, per query "
@@ -256,7 +274,7 @@ def write_html_report(bundle_dir: Path) -> Path:
                "No trigger curve yet: run <code>r4t eval --trigger-curve --split "
                "mixed-val</code>."),
         "<h2>The steps curve</h2>",
-        figure(steps_figure(bundle_dir),
+        figure(drawn(steps_figure, bundle_dir),
                "Diffusion quality and solver cost against the number of solver steps: where "
                "the left curve flattens, more steps only cost time.",
                "No steps curve yet: run <code>r4t eval --steps-curve</code>."),
