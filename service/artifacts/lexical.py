@@ -13,7 +13,6 @@ own, computed when the index is built.
 
 from __future__ import annotations
 
-import functools
 import re
 import sqlite3
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import bm25s
 import numpy as np
+from cachetools import LRUCache
 
 LEXICAL_FILE = "lexical.sqlite"
 TOKENIZER = "porter unicode61 remove_diacritics 2"
@@ -30,6 +30,8 @@ WORD = re.compile(r"[^\W_]+", re.UNICODE)  # letters and digits: unicode61 split
 K1, B = 1.2, 0.75  # FTS5's bm25() constants
 FTS5_IDF_FLOOR = 1e-6  # FTS5's idf for a token in half the texts or more (Robertson's is ≤ 0)
 MAX_DF = 0.05  # share of texts above which a word is too common to search for
+MAX_QUERY_WORDS = 16  # words of a query searched: a long query costs no more than this many
+POSTINGS_BUDGET = 200_000  # postings one search reads at most (a query of frequent words)
 
 
 def words(text: str) -> list[str]:
@@ -58,35 +60,49 @@ def build_lexical_index(path: Path, texts: Sequence[str]) -> None:
 
 
 def query_words(query: str, frequent: Container[str] = ()) -> list[str]:
-    """The query's words but the frequent ones, unless it has no other."""
+    """The query's first MAX_QUERY_WORDS words but the frequent ones, unless it has no other."""
     found = words(query)
-    return [w for w in found if w not in frequent] or found
+    return ([w for w in found if w not in frequent] or found)[:MAX_QUERY_WORDS]
 
 
 class FtsTokenizer:
     """Words → FTS5 tokens, by FTS5 itself (an in-memory table with the index's tokenizer), so a
-    query's tokens are the catalog's: stemming and diacritics folded the same way."""
+    query's tokens are the catalog's: stemming and diacritics folded the same way. The words a
+    cache lacks are tokenized in one statement, so a text of never-seen words costs one."""
 
     def __init__(self, cache_size: int = 1 << 16) -> None:
         self._db = sqlite3.connect(":memory:", check_same_thread=False)
-        self._lock = threading.Lock()  # one connection: a cache miss at a time
+        self._lock = threading.Lock()  # one connection and one cache, shared by threads
         self._db.execute(f"CREATE VIRTUAL TABLE q USING fts5(text, tokenize='{TOKENIZER}')")
         self._db.execute("CREATE VIRTUAL TABLE v USING fts5vocab(q, instance)")
-        # over a function that does not hold `self`: a cache holding its owner is a reference
-        # cycle, which would keep a retired bundle until a full collection
-        self.tokens = functools.lru_cache(maxsize=cache_size)(
-            functools.partial(fts_tokens, self._db, self._lock))
+        self._cache: LRUCache[str, tuple[str, ...]] = LRUCache(cache_size)
+
+    def tokens(self, word: str) -> tuple[str, ...]:
+        return self.tokens_of([word])[0]
+
+    def tokens_of(self, words: Sequence[str]) -> list[tuple[str, ...]]:
+        """Each word's FTS5 tokens."""
+        with self._lock:
+            found = {w: self._cache.get(w) for w in words}
+            missing = [w for w, tokens in found.items() if tokens is None]
+            if missing:
+                for word, tokens in zip(missing, fts_tokens(self._db, missing), strict=True):
+                    self._cache[word] = found[word] = tokens
+        return [found[w] for w in words]  # type: ignore[misc]
 
     def close(self) -> None:
         self._db.close()
 
 
-def fts_tokens(db: sqlite3.Connection, lock: threading.Lock, word: str) -> tuple[str, ...]:
-    """The word's FTS5 tokens, through the tokenizer's table `q` and its vocabulary `v`."""
-    with lock:
-        db.execute("DELETE FROM q")
-        db.execute("INSERT INTO q(rowid, text) VALUES (1, ?)", (word,))
-        return tuple(t for (t,) in db.execute("SELECT term FROM v ORDER BY offset"))
+def fts_tokens(db: sqlite3.Connection, words: Sequence[str]) -> list[tuple[str, ...]]:
+    """Each word's FTS5 tokens, through the tokenizer's table `q` (a row per word) and its
+    vocabulary `v`."""
+    db.execute("DELETE FROM q")
+    db.executemany("INSERT INTO q(rowid, text) VALUES (?, ?)", enumerate(words))
+    out: list[list[str]] = [[] for _ in words]
+    for row, term in db.execute("SELECT doc, term FROM v ORDER BY doc, offset"):
+        out[row].append(term)
+    return [tuple(tokens) for tokens in out]
 
 
 def indexed_tokens(db: sqlite3.Connection, size: int) -> tuple[dict[str, int], list[list[int]]]:
@@ -150,8 +166,8 @@ class LexicalIndex:
 
     def token_ids(self, query: str) -> list[int]:
         """The vocabulary ids of the query's searched words' tokens (unknown ones dropped)."""
-        tokens = (t for w in query_words(query, self.frequent) for t in self.tokenizer.tokens(w))
-        return [self.vocab[t] for t in tokens if t in self.vocab]
+        searched = self.tokenizer.tokens_of(query_words(query, self.frequent))
+        return [self.vocab[t] for tokens in searched for t in tokens if t in self.vocab]
 
     def breadth(self, query: str) -> int:
         """How many texts hold every searched word of the query: words the catalog never uses
@@ -159,10 +175,14 @@ class LexicalIndex:
         return len(self.mentions(query))
 
     def mentions(self, query: str) -> np.ndarray:
-        """The rows (ascending) of the texts holding every searched word of the query: the
-        rarest token's texts, kept where a binary search finds them in each other token's
-        postings (sorted by row), one vectorised lookup per token."""
-        ids = self.token_ids(query)
+        """The rows (ascending) of the texts holding every searched word of the query."""
+        return self.holding(self.token_ids(query))
+
+    def holding(self, ids: list[int]) -> np.ndarray:
+        """The rows (ascending) of the texts holding every token of `ids`: the rarest token's
+        texts, kept where a binary search finds them in each other token's postings (sorted by
+        row), one vectorised lookup per token."""
+        ids = list(ids)
         if not ids:
             return np.zeros(0, dtype=np.int64)
         ids.sort(key=self._df.__getitem__)
@@ -185,6 +205,7 @@ class LexicalIndex:
         whole batch's postings measured slower."""
         if not ids or n <= 0:
             return np.zeros(0, dtype=np.int64)
+        ids = self._within_budget(ids)
         postings, bounds = self._bm25.scores, [(self._start[t], self._start[t + 1]) for t in ids]
         rows = np.concatenate([postings["indices"][a:b] for a, b in bounds])  # (M,)
         scores = np.concatenate([postings["data"][a:b] for a, b in bounds])  # (M,)
@@ -195,6 +216,17 @@ class LexicalIndex:
             best = scores >= np.partition(scores, len(scores) - n)[len(scores) - n]
             rows, scores = rows[best], scores[best]
         return rows[np.lexsort((rows, -scores))][:n].astype(np.int64)
+
+    def _within_budget(self, ids: list[int]) -> list[int]:
+        """The query's tokens in order, but the commonest dropped while their postings together
+        pass POSTINGS_BUDGET (a query of frequent words would sum the catalog's postings)."""
+        kept, total = set(), 0
+        for token in sorted(dict.fromkeys(ids), key=self._df.__getitem__):
+            total += self._df[token]
+            if kept and total > POSTINGS_BUDGET:
+                break
+            kept.add(token)
+        return [t for t in ids if t in kept]
 
     def close(self) -> None:
         self.tokenizer.close()  # the catalog's connection closed once read

@@ -14,13 +14,16 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
+import cachetools
 import numpy as np
+from cachetools import LRUCache
 
 from service.artifacts.bundle import Bundle
-from service.artifacts.lexical import WORD, LexicalIndex
+from service.artifacts.lexical import MAX_QUERY_WORDS, WORD, LexicalIndex
 from service.fanout.candidates import Candidates
 from service.fanout.format import item_name
 
@@ -44,7 +47,7 @@ CATEGORICAL = ("word_before_mention", "word_after_mention")
 NO_MENTION, START, END = "<none>", "<start>", "<end>"  # the neighbours of no, a first, a last word
 ABSENT_RANK = 99.0
 EARLY = 3  # "a portable shelter": the genus sits in a gloss's first words
-MENTION_CACHE = 1024  # queries whose mention lists are kept (a batch's, and repeats)
+MENTION_BYTES = 16 << 20  # the mention lists kept (a batch's, and repeats), by their bytes
 ROW_CACHE = 1 << 17  # items whose parts and name fan-in are kept (features are per item)
 
 
@@ -93,8 +96,15 @@ class MentionFeatures:
             functools.partial(name_fanin, self.lexical, self.texts))
         self.parts = functools.lru_cache(maxsize=ROW_CACHE)(
             functools.partial(item_parts, self.lexical, self.texts))
-        # a query's mentions, read once for its candidates and once for its features
-        self.mentions = functools.lru_cache(maxsize=MENTION_CACHE)(self.lexical.mentions)
+        # a query's mentions, read once for its candidates and once for its features; keyed
+        # on its searched tokens ("Dogs!" is "dog"), bounded by bytes (a broad word's are long)
+        self._mentions = cachetools.cached(
+            LRUCache(MENTION_BYTES, getsizeof=lambda rows: rows.nbytes), lock=threading.Lock(),
+            key=lambda ids: tuple(sorted(set(ids))))(self.lexical.holding)
+
+    def mentions(self, text: str) -> np.ndarray:
+        """The rows of the texts holding every searched word of the query `text`."""
+        return self._mentions(self.lexical.token_ids(text))
 
     def candidates(self, texts: Sequence[str],
                    queries: np.ndarray) -> list[tuple[np.ndarray, int]]:
@@ -116,36 +126,39 @@ class MentionFeatures:
         """(C, F) float32 for one query's candidate rows, the first `hybrid` of them its
         hybrid list in order."""
         asked = self.tokens(text)
+        searched = frozenset(asked)  # read per description word of every candidate
         mentioned = np.isin(rows, self.mentions(text))  # (C,)
         similarity = self.embeddings[rows] @ query  # (C,)
         table = np.empty((len(rows), len(FEATURES)), dtype=np.float32)
         for j, row in enumerate(rows.tolist()):
-            table[j] = self._row(row, j, asked, bool(mentioned[j]), float(similarity[j]),
-                                 j < hybrid)
+            table[j] = self._row(row, j, asked, searched, bool(mentioned[j]),
+                                 float(similarity[j]), j < hybrid)
         return table
 
-    def _row(self, row: int, rank: int, asked: list[str], mentions: bool, similarity: float,
-             listed: bool) -> list[float]:
+    def _row(self, row: int, rank: int, asked: list[str], searched: frozenset[str],
+             mentions: bool, similarity: float, listed: bool) -> list[float]:
         name, described, size = self.parts(row)
-        position = mention_position(described, asked)
+        position = mention_position(described, searched)
         return [similarity, rank if listed else ABSENT_RANK, float(mentions),
                 ABSENT_RANK if position is None else position,
                 float(position is not None and position < EARLY),
-                math.log1p(self.name_fanin(row)), len(name), float(bool(set(name) & set(asked))),
+                math.log1p(self.name_fanin(row)), len(name), float(bool(searched & set(name))),
                 float(bool(name) and bool(asked) and name[-1] == asked[-1]), size,
                 *self.words.ids(*neighbours(described, asked, position))]
 
     def neighbours(self, text: str, rows: np.ndarray) -> list[tuple[str, str]]:
         """Per candidate row, the description's words before and after the query's mention."""
         asked = self.tokens(text)
+        searched = frozenset(asked)
         out = []
         for row in rows.tolist():
             described = self.parts(row)[1]
-            out.append(neighbours(described, asked, mention_position(described, asked)))
+            out.append(neighbours(described, asked, mention_position(described, searched)))
         return out
 
     def tokens(self, text: str) -> list[str]:
-        return index_tokens(self.lexical, text)
+        """The query's index tokens, of its first MAX_QUERY_WORDS words."""
+        return index_tokens(self.lexical, text, MAX_QUERY_WORDS)
 
     def with_words(self, words: MentionWords) -> MentionFeatures:
         """These candidates and per-item caches, the mention's words read as `words`' ids: a
@@ -155,9 +168,9 @@ class MentionFeatures:
         return shared
 
 
-def mention_position(described: tuple[str, ...], asked: list[str]) -> int | None:
+def mention_position(described: tuple[str, ...], searched: Container[str]) -> int | None:
     """The first word of a description that is a query word, or None."""
-    return next((i for i, t in enumerate(described) if t in asked), None)
+    return next((i for i, t in enumerate(described) if t in searched), None)
 
 
 def neighbours(described: tuple[str, ...], asked: list[str], position: int | None
@@ -170,10 +183,11 @@ def neighbours(described: tuple[str, ...], asked: list[str], position: int | Non
             described[after] if after < len(described) else END)
 
 
-def index_tokens(lexical: LexicalIndex, text: str) -> list[str]:
-    """The text's index tokens, in order, repeats kept (the lexical index's stemming)."""
-    tokenize = lexical.tokenizer.tokens
-    return [t for word in WORD.findall(text.lower()) for t in tokenize(word)]
+def index_tokens(lexical: LexicalIndex, text: str, limit: int | None = None) -> list[str]:
+    """The text's index tokens (of its first `limit` words), in order, repeats kept (the lexical
+    index's stemming)."""
+    found = WORD.findall(text.lower())[:limit]
+    return [t for tokens in lexical.tokenizer.tokens_of(found) for t in tokens]
 
 
 def item_parts(lexical: LexicalIndex, texts: Sequence[str], row: int

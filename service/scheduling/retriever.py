@@ -237,7 +237,7 @@ class Retriever:
         started = time.monotonic()
         self.recent.append(request.query)
         assignment = self.router.assign(request.user_id, request.route)
-        decision = self._decide(request, assignment)
+        decision = await self._decide(request, assignment)
         query = RouteQuery(request.query, request.k, where_of(request.filter, self.filter_fields),
                           lead=decision.lead if decision is not None else 0, deadline=deadline)
         route = assignment.route if decision is None or decision.fanout else "single"
@@ -266,14 +266,17 @@ class Retriever:
         timings["total"] = time.monotonic() - started
         return Served(answer, route, assignment.arm, reason, decision, timings)
 
-    def _decide(self, request: Retrieval, assignment: Assignment) -> Decision | None:
-        """route=auto: fan out, or answer with `single`? None when the request forced a route."""
+    async def _decide(self, request: Retrieval, assignment: Assignment) -> Decision | None:
+        """route=auto: fan out, or answer with `single`? None when the request forced a route.
+        The breadth is scored in a thread: a query's never-seen words cost SQLite statements."""
         if request.route != "auto":
             return None
         if assignment.route == "single":
             decision = Decision(fanout=False, reason="arm")
-        else:
+        elif request.fanout != "auto":  # nothing to score
             decision = self.trigger.decide(request.query, request.fanout)
+        else:
+            decision = await asyncio.to_thread(self.trigger.decide, request.query)
         if decision.score is not None:
             self.metrics.breadth.observe(decision.score)
         self.metrics.fanout_decisions.labels(fanout=str(decision.fanout).lower(),

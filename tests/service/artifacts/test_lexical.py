@@ -7,9 +7,11 @@ import sqlite3
 
 import pytest
 
+from service.artifacts import lexical as lexical_module
 from service.artifacts.bundle import load_bundle
 from service.artifacts.lexical import (
     LEXICAL_FILE,
+    MAX_QUERY_WORDS,
     LexicalIndex,
     build_lexical_index,
     frequent_words,
@@ -89,3 +91,31 @@ def test_words_in_most_texts_are_not_searched(tmp_path):
     assert len(sort) == 40  # a query of frequent words only searches them all
     assert query_words("lamp of brass", {"of"}) == ["lamp", "brass"]
     assert query_words("of the", {"of", "the"}) == ["of", "the"]
+
+
+def test_a_long_query_of_never_seen_words_costs_one_tokenizing_statement(small_bundle_dir):
+    """A query's words are capped and tokenized together: 200 never-seen words cost one
+    SELECT and MAX_QUERY_WORDS inserts, not three statements a word; a repeat costs none."""
+    index = LexicalIndex(small_bundle_dir / LEXICAL_FILE)
+    statements: list[str] = []
+    index.tokenizer._db.set_trace_callback(statements.append)
+    query = " ".join(f"zq{i}xv" for i in range(200))
+    assert index.token_ids(query) == [] and index.breadth(query) == 0
+    assert sum(s.startswith("SELECT") for s in statements) == 1
+    assert sum(s.startswith("INSERT") for s in statements) == MAX_QUERY_WORDS
+    statements.clear()
+    index.search([query], 10)
+    assert statements == []
+    index.close()
+
+
+def test_a_query_of_common_words_reads_a_bounded_share_of_the_postings(tmp_path, monkeypatch):
+    """The commonest of a query's tokens are dropped once their postings pass the budget: the
+    rare word still ranks, and a token in every text is not summed over the catalog."""
+    texts = [f"thing stuff word{i}" if i < 20 else f"thing word{i}" for i in range(40)]
+    build_lexical_index(tmp_path / "x.sqlite", texts)
+    index = LexicalIndex(tmp_path / "x.sqlite")
+    assert len(index.search(["thing stuff"], 40)[0]) == 40  # within the budget: both searched
+    monkeypatch.setattr(lexical_module, "POSTINGS_BUDGET", 30)
+    assert index.search(["thing stuff"], 40)[0].tolist() == list(range(20))  # "stuff"'s only
+    assert len(index.search(["thing"], 40)[0]) == 40  # the rarest token is always kept

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
+from service.artifacts.lexical import MAX_QUERY_WORDS
 from service.errors import BundleError
 from service.fanout.mentions import (
     ABSENT_RANK,
     END,
     FEATURES,
+    MENTION_BYTES,
     NO_MENTION,
     START,
     CandidateSizes,
@@ -122,3 +124,23 @@ def test_scorers_share_features_only_when_they_read_the_same_words(bundle):
     assert ScoredCandidates(bundle, ranker, worded).features is worded
     with pytest.raises(ValueError, match="sizes and words"):
         ScoredCandidates(bundle, ranker, plain)
+
+
+def test_mention_lists_are_kept_by_their_searched_tokens_within_a_byte_budget(bundle):
+    features = MentionFeatures(bundle)
+    first = features.mentions("Dogs!")
+    assert len(first) and features.mentions("dog") is first  # one entry for one word
+    cache = features._mentions.cache
+    assert cache.maxsize == MENTION_BYTES and cache.currsize == first.nbytes
+
+
+def test_a_long_query_is_read_for_its_first_words_only(bundle):
+    """A 1,000-word query costs its first MAX_QUERY_WORDS words' tokens, not a scan of every
+    word per candidate."""
+    features = MentionFeatures(bundle, CandidateSizes(hybrid=8, mentions=50))
+    assert len(features.tokens("dog " * 1000)) == MAX_QUERY_WORDS
+    query = Encoder(bundle.encoder_config).encode(["dog " * 1000])
+    [(rows, hybrid)] = features.candidates(["dog " * 1000], query)
+    table = features.features("dog " * 1000, query[0], rows, hybrid)
+    short = features.features("dog " * MAX_QUERY_WORDS, query[0], rows, hybrid)
+    np.testing.assert_array_equal(table, short)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 import weakref
 from pathlib import Path
 
 from service.metrics import Metrics
 from service.scheduling.assembly import Loaders
-from service.scheduling.retriever import Retriever
+from service.scheduling.retriever import Retrieval, Retriever
 from service.settings import Settings
 
 HOLD_S = 30.0  # bound on the simulated decode; reached only when the loop is stopped
@@ -82,3 +83,26 @@ def test_closing_a_llama_policy_mid_decode_leaves_the_loop_running(llm_bundle: P
         return await decoding
 
     assert asyncio.run(close_while_decoding())
+
+
+def test_route_auto_scores_a_querys_breadth_off_the_event_loop(settings_for):
+    """Scoring a query's breadth may cost SQLite statements (never-seen words): never on the
+    loop's thread."""
+
+    async def ask() -> list[bool]:
+        retriever = await loaded(settings_for(warmup_queries=1, routes="ranked=1"))
+        decide, on_loop = retriever.trigger.decide, []
+
+        def spy(*args: object) -> object:
+            on_loop.append(threading.current_thread() is loop_thread)
+            return decide(*args)
+
+        retriever.trigger.decide = spy  # type: ignore[method-assign]
+        loop_thread = threading.current_thread()
+        try:
+            await retriever.retrieve(Retrieval("zqxv " * 200 + "dog"), time.monotonic() + 60)
+        finally:
+            await retriever.close()
+        return on_loop
+
+    assert asyncio.run(ask()) == [False]
