@@ -9,7 +9,8 @@
 ARG RUNTIME=cpu
 
 FROM python:3.11-slim-bookworm AS builder
-RUN apt-get update && apt-get install -y --no-install-recommends wordnet-base git \
+# libgomp1: OpenMP, which lightgbm's wheel (the ranker) links and the slim image lacks
+RUN apt-get update && apt-get install -y --no-install-recommends wordnet-base git libgomp1 \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
@@ -21,11 +22,12 @@ RUN python -m venv /opt/train \
 RUN /opt/train/bin/r4t --bundle /bundle/default bundle
 
 FROM python:3.11-slim-bookworm AS runtime-cpu
-RUN python -m venv /opt/venv
+RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/* && python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
 FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 AS runtime-gpu
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv libgomp1 \
     && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 

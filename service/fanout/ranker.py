@@ -72,8 +72,12 @@ class Ranker:
         config = RankerConfig.from_dict(json.loads(path.read_text()))
         if config.model is None:
             return cls(config)
-        import lightgbm  # ImportError: the route is left out, as a missing runtime is
-
+        try:
+            import lightgbm
+        except OSError as exc:  # its wheel's shared library needs one the system lacks
+            raise ImportError(f"lightgbm cannot load its library ({exc}): install the system's "
+                              "OpenMP runtime (Debian: libgomp1)") from exc
+        # an ImportError leaves the route out, as a missing runtime does
         return cls(config, lightgbm.Booster(model_file=str(directory / config.model)))
 
     def score(self, features: np.ndarray) -> np.ndarray:

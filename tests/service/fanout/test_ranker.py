@@ -3,7 +3,9 @@ label-free order, the redundancy penalty, and the config a bundle records."""
 
 from __future__ import annotations
 
+import importlib.abc
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -23,7 +25,13 @@ from service.fanout.mentions import (
     MentionWords,
     neighbours,
 )
-from service.fanout.ranker import Ranker, RankerConfig, ScoredCandidates
+from service.fanout.ranker import (
+    RANKER_CONFIG,
+    RANKER_MODEL,
+    Ranker,
+    RankerConfig,
+    ScoredCandidates,
+)
 from service.runtime.encoder import Encoder
 
 
@@ -144,3 +152,28 @@ def test_a_long_query_is_read_for_its_first_words_only(bundle):
     table = features.features("dog " * 1000, query[0], rows, hybrid)
     short = features.features("dog " * MAX_QUERY_WORDS, query[0], rows, hybrid)
     np.testing.assert_array_equal(table, short)
+
+
+class BrokenLibrary(importlib.abc.MetaPathFinder):
+    """lightgbm as the slim image imports it without libgomp: an OSError, not an ImportError."""
+
+    def find_spec(self, name: str, *args: object) -> None:
+        if name == "lightgbm":
+            raise OSError("libgomp.so.1: cannot open shared object file")
+
+
+def test_a_ranker_whose_library_cannot_load_is_a_missing_runtime(tmp_path, monkeypatch):
+    """An ImportError naming the package to install: the assembly leaves the ranked route out
+    (as for any missing runtime) instead of refusing the whole bundle."""
+    import lightgbm
+
+    rows = np.random.default_rng(0).normal(size=(40, len(FEATURES)))
+    data = lightgbm.Dataset(rows, label=np.arange(40) % 3, group=[10] * 4)
+    lightgbm.train({"objective": "lambdarank", "verbose": -1}, data, num_boost_round=2
+                   ).save_model(str(tmp_path / RANKER_MODEL))
+    (tmp_path / RANKER_CONFIG).write_text(json.dumps(RankerConfig().to_dict()))
+    assert Ranker.load(tmp_path).booster is not None
+    monkeypatch.delitem(sys.modules, "lightgbm")
+    monkeypatch.setattr(sys, "meta_path", [BrokenLibrary(), *sys.meta_path])
+    with pytest.raises(ImportError, match="libgomp1"):
+        Ranker.load(tmp_path)
