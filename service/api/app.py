@@ -131,6 +131,7 @@ def gated(app: FastAPI) -> AdmissionGate:
         prefix="/v1/retrieve", on_reject=reject,
         headroom=GATE_HEADROOM,
         floor=settings.queue_size // 2,  # bursts this large always reach the batchers
+        max_body_bytes=settings.max_body_bytes,
     )
 
 

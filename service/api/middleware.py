@@ -5,7 +5,8 @@
   line per request.
 - AdmissionGate: refuses retrieval requests beyond `max_in_flight`, or far beyond the
   concurrency the service has been answering, with an immediate 429 before any body is read or
-  parsed, so shedding load costs next to nothing.
+  parsed, so shedding load costs next to nothing; a request counts once its body has arrived,
+  so clients trickling bodies hold no slot.
 - BodyGuard: reads POST bodies up to `max_body_bytes` (413 beyond, chunked bodies included)
   and refuses bodies that are not UTF-8 (400), before any parsing; then replays the body.
 """
@@ -122,8 +123,10 @@ class AdmissionGate:
     def __init__(
         self, app: ASGIApp, max_in_flight: int, retry_after_s: int, prefix: str,
         on_reject: Callable[[float], None], headroom: float = 0.0, floor: int = 1,
+        max_body_bytes: int = 1 << 20,
     ) -> None:
         self.app, self.max_in_flight, self.prefix = app, max_in_flight, prefix
+        self.max_body_bytes = max_body_bytes
         self.retry_after = str(retry_after_s).encode()
         self.headroom, self.floor = headroom, floor
         self.on_reject = on_reject
@@ -144,9 +147,17 @@ class AdmissionGate:
             return
         started = time.monotonic()
         limit = self.limit(started)
+        if self.in_flight >= limit:  # refused before its body is read: shedding costs nothing
+            await self._refuse(scope, send, started, limit)
+            return
+        arrived = await self._body(receive)  # a body trickling in holds no slot meanwhile
+        if arrived is None:  # the client left
+            return
+        limit = self.limit(time.monotonic())
         if self.in_flight >= limit:
             await self._refuse(scope, send, started, limit)
             return
+        receive = _replay_messages(arrived, receive)
         self.in_flight += 1
         status = {"code": 0}
 
@@ -163,6 +174,20 @@ class AdmissionGate:
                 ended = time.monotonic()
                 self.served.record(ended, ended - started)
 
+
+    async def _body(self, receive: Receive) -> list[Message] | None:
+        """The request's body messages, read until its last or past `max_body_bytes` (what
+        BodyGuard then refuses); None when the client disconnects first."""
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if not message.get("more_body", False) or size > self.max_body_bytes:
+                return messages
 
     async def _refuse(self, scope: Scope, send: Send, started: float, limit: int) -> None:
         """The 429 of a request the gate turns away, answered as every other one is: with its
@@ -230,6 +255,16 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def _replay_messages(messages: list[Message], receive: Receive) -> Receive:
+    """`receive` that first returns `messages`, then what the client sends next."""
+    pending = list(messages)
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -82,3 +82,61 @@ def test_a_gate_refusal_has_a_request_id_an_access_line_and_a_duration(caplog):
     assert len(durations) == 1 and durations[0] >= 0.0
     lines = [r for r in caplog.records if r.name == "r4t.access"]
     assert len(lines) == 1 and lines[0].http["status"] == 429
+
+
+def test_a_body_still_arriving_holds_no_admission_slot():
+    """A client trickling its body (for up to receive_timeout_s) is not counted in flight: a
+    whole request beside it is admitted, at a limit of one."""
+    import asyncio
+
+    first_chunk, rest = asyncio.Event(), asyncio.Event()
+    answered: list[bytes] = []
+
+    async def app(scope, receive, send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        answered.append(body)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    def trickling():
+        chunks = iter([{"type": "http.request", "body": b'{"query":', "more_body": True},
+                       {"type": "http.request", "body": b'"x"}', "more_body": False}])
+
+        async def receive() -> dict:
+            message = next(chunks)
+            if message["more_body"]:
+                first_chunk.set()
+            else:
+                await rest.wait()
+            return message
+        return receive
+
+    async def whole() -> dict:
+        return {"type": "http.request", "body": b'{"query":"y"}', "more_body": False}
+
+    async def call(gate, receive) -> int:
+        sent: list[dict] = []
+
+        async def send(message) -> None:
+            sent.append(message)
+
+        await gate({"type": "http", "method": "POST", "path": "/v1/retrieve", "headers": []},
+                   receive, send)
+        return sent[0]["status"]
+
+    async def scenario() -> tuple[int, int]:
+        gate = AdmissionGate(app, max_in_flight=1, retry_after_s=1, prefix="/v1",
+                             on_reject=lambda _: None)
+        slow = asyncio.ensure_future(call(gate, trickling()))
+        await first_chunk.wait()
+        fast = await call(gate, whole)
+        rest.set()
+        return fast, await slow
+
+    assert asyncio.run(scenario()) == (200, 200)
+    assert answered == [b'{"query":"y"}', b'{"query":"x"}']
