@@ -39,6 +39,8 @@ def where_of(mapping: Mapping[str, Scalar] | None, fields: Iterable[str]) -> Whe
                              f"(fields: {listed})")
         if not isinstance(value, Scalar):
             raise InputError(f"filter value of {name!r} must be a string, number or boolean")
+        if isinstance(value, str) and not value.isprintable():
+            raise InputError(f"filter value of {name!r} holds a control character")
         if (isinstance(value, float) and not math.isfinite(value)) or (
                 isinstance(value, int) and not -INT64 <= value < INT64):
             raise InputError(f"filter value of {name!r} must be finite and fit in 64 bits")
@@ -53,8 +55,8 @@ def expression(where: Where) -> str:
 def literal(value: Scalar) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)  # a double-quoted string with escapes, as Milvus parses it
+    if isinstance(value, str):  # double-quoted; Milvus's parser knows no \\u escapes: raw UTF-8
+        return json.dumps(value, ensure_ascii=False)
     return repr(value)
 
 

@@ -25,6 +25,7 @@ def test_every_pair_is_required_and_the_expression_quotes_strings():
     assert RowFilter(METADATA).rows(where).tolist() == [2]
     assert expression(where) == 'n == 2 and shelf == "a"'
     assert expression(where_of({"shelf": 'say "hi"'}, {"shelf"})) == 'shelf == "say \\"hi\\""'
+    assert expression(where_of({"shelf": "😀"}, {"shelf"})) == 'shelf == "😀"'  # no \\u escape
     assert where_of({}, {"shelf"}) is None and where_of(None, {"shelf"}) is None
 
 
@@ -35,6 +36,8 @@ def test_every_pair_is_required_and_the_expression_quotes_strings():
     ({"n": float("inf")}, "finite"),
     ({"n": 2**64}, "64 bits"),
     ({"n": [1]}, "string, number or boolean"),
+    ({"shelf": "a\nb"}, "control character"),
+    ({"shelf": "lone \ud83d"}, "control character"),  # a surrogate no engine can encode
 ])
 def test_a_bad_filter_is_an_input_error_naming_it(mapping, problem):
     with pytest.raises(InputError, match=problem):

@@ -166,3 +166,17 @@ def test_the_engine_is_loaded_from_the_catalog_command_only():
     assert parser.parse_args(["catalog", "--index", "milvus://h:1/c"]).index == "milvus://h:1/c"
     with pytest.raises(SystemExit):
         parser.parse_args(["bundle", "--index", "milvus://h:1/c"])
+
+
+@pytest.mark.parametrize("value", ['say "hi"', "back\\slash", "emoji 😀", "naïve", "it's"])
+def test_a_filter_value_of_any_text_is_searched_and_keeps_the_client(engine_bundle, value):
+    """Quotes, backslashes, emoji and accents reach Milvus as values, not as expression text:
+    no match (no item holds them) is an empty answer, and the shared client stays."""
+    bundle = load_bundle(engine_bundle, IndexChoice.parse("milvus"))
+    queries = bundle.items.embeddings[:2]
+    client = bundle.index.client()
+    _, rows = search(bundle.index, queries, 5, (("lemma", "str", value),))
+    assert (rows == -1).all() and bundle.index.client() is client
+    lemma = bundle.items.metadata[5]["lemma"]
+    _, rows = search(bundle.index, queries, 5, (("lemma", "str", lemma),))
+    assert 5 in rows and all(bundle.items.metadata[r]["lemma"] == lemma for r in rows[rows >= 0])
