@@ -11,7 +11,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -76,12 +76,18 @@ class ServiceState:
             raise UnavailableError(f"not ready: {why}")
         return self.retriever
 
-    async def load(self, bundle_dir: Path, strict: bool, traffic: Sequence[str] = ()
-                   ) -> Retriever:
+    async def load(self, bundle_dir: Path, strict: bool, traffic: Sequence[str] = (),
+                   served: Collection[str] = ()) -> Retriever:
+        """A started, warm retriever of `bundle_dir`. Strict (a reload): every route the bundle
+        it replaces served (`served`) and every arm its own routes stage chose must load and
+        warm up; a build in progress only adds routes."""
         retriever = await in_daemon_thread(self.settings.compute_nice, Retriever.load,
                                            self.settings, self.metrics, bundle_dir, self.loaders)
         retriever.start()
         try:
+            if strict:
+                chosen = retriever.weights if retriever.weights_from == "bundle" else {}
+                retriever.require({*served, *(r for r, w in chosen.items() if w)})
             await retriever.warm_up(strict=strict, traffic=traffic)
         except BaseException:
             await retriever.close()
@@ -190,7 +196,9 @@ class ServiceState:
         self.reload = ReloadStatus(state="loading", bundle=str(bundle_dir), started=now_iso())
         try:
             recent = list(self.retriever.recent) if self.retriever else []
-            old = self.publish(await self.load(bundle_dir, strict=True, traffic=recent))
+            served = list(self.retriever.paths) if self.retriever else []
+            old = self.publish(await self.load(bundle_dir, strict=True, traffic=recent,
+                                               served=served))
             self.startup, self.startup_error = "ready", None
             self.metrics.ready.set(0 if self.draining else 1)
             self.reload = self.reload.model_copy(update={"state": "succeeded"})

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +144,13 @@ class Retriever:
 
         return compute
 
+    def require(self, routes: Iterable[str]) -> None:
+        """A BundleError naming each of `routes` this bundle cannot serve, and why."""
+        lost = sorted(set(routes) - set(self.paths))
+        if lost:
+            why = "; ".join(f"{r}: {self.problems.get(r, 'not in the bundle')}" for r in lost)
+            raise BundleError(f"{self.bundle.path} lacks routes the service serves ({why})")
+
     async def warm_up(self, strict: bool, traffic: Sequence[str] = ()) -> None:
         """Run each path end to end; a failing path is dropped (or, if strict, refused). Then
         replay `traffic` (the queries the bundle it replaces answered last) through each path,
@@ -188,6 +195,9 @@ class Retriever:
                 *(batcher.submit(RouteQuery(text, 10, deadline=deadline), deadline)
                   for text in texts), return_exceptions=True)
             failed = [a for a in answers if isinstance(a, BaseException)]
+            if len(failed) == len(texts):  # what the old bundle answered, this one cannot
+                raise BundleError(f"the {name} path failed every one of the {len(texts)} "
+                                  f"recent queries replayed (first: {failed[0]!r})")
             if failed:
                 log.warning("replaying %d recent queries on the %s path: %d failed (first: %r)",
                             len(texts), name, len(failed), failed[0])
@@ -235,7 +245,6 @@ class Retriever:
         """Answer one request by its arm, falling back from diffusion to AR, then to single,
         when needed."""
         started = time.monotonic()
-        self.recent.append(request.query)
         assignment = self.router.assign(request.user_id, request.route)
         decision = await self._decide(request, assignment)
         query = RouteQuery(request.query, request.k, where_of(request.filter, self.filter_fields),
@@ -264,6 +273,7 @@ class Retriever:
             self.metrics.filled_slots.labels(route=route).inc(answer.selection.filled)
         timings.update({"queue": completed.queue_s, **answer.timings_s})
         timings["total"] = time.monotonic() - started
+        self.recent.append(request.query)  # an answered query: a reload replays it
         return Served(answer, route, assignment.arm, reason, decision, timings)
 
     async def _decide(self, request: Retrieval, assignment: Assignment) -> Decision | None:

@@ -143,3 +143,43 @@ def test_a_reload_replays_recent_queries_through_the_new_bundle(
                                json={"bundle": str(second_bundle), "wait": True})
         assert response.status_code == 200 and response.json()["state"] == "succeeded"
         assert asked(completion_server, query) == 2  # replayed by the new AR path's warm-up
+
+
+@pytest.fixture
+def rankerless_bundle(serving_bundle: Path, tmp_path: Path) -> Path:
+    """A bundle whose checksums pass but which has no ranker stage (as a partial copy leaves
+    it): the ranked route the served bundle has cannot load."""
+    target = tmp_path / "rankerless"
+    shutil.copytree(serving_bundle, target)
+    shutil.rmtree(target / "ranker")
+    manifest = read_manifest(target)
+    manifest["name"] = "rankerless"
+    manifest["files"] = {f: v for f, v in manifest["files"].items() if not f.startswith("ranker/")}
+    manifest["stages"].pop("ranker", None)
+    write_manifest(target, manifest)
+    return target
+
+
+def test_a_reload_that_would_lose_a_served_route_is_refused(reload_server, rankerless_bundle):
+    with reload_server.client() as client:
+        before = client.get("/v1/info").json()["served"]["bundle"]
+        assert "ranked" in client.get("/readyz").json()["routes"]
+        response = client.post("/admin/reload", headers=AUTH,
+                               json={"bundle": str(rankerless_bundle), "wait": True})
+        assert response.status_code == 422, response.text
+        assert "lacks routes the service serves (ranked" in response.json()["error"]["message"]
+        assert client.get("/v1/info").json()["served"]["bundle"] == before
+        answer = client.post("/v1/retrieve", json={"query": "dog", "route": "ranked"})
+        assert answer.status_code == 200 and answer.json()["route"] == "ranked"
+
+
+def test_a_reload_replays_answered_queries_only(reload_server, second_bundle, completion_server):
+    """A refused request is not replayed into the next bundle's warm-up."""
+    with reload_server.client() as client:
+        refused = "refused replay probe"  # a filter on no field: the retriever's 422
+        assert client.post("/v1/retrieve", json={"query": refused, "filter": {"nofield": 1}}
+                           ).status_code == 422
+        assert refused not in reload_server.app.state.r4t.retriever.recent
+        answered = "answered replay probe"
+        assert client.post("/v1/retrieve", json={"query": answered}).status_code == 200
+        assert reload_server.app.state.r4t.retriever.recent[-1] == answered

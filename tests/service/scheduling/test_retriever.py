@@ -10,6 +10,9 @@ import time
 import weakref
 from pathlib import Path
 
+import pytest
+
+from service.errors import BundleError
 from service.metrics import Metrics
 from service.scheduling.assembly import Loaders
 from service.scheduling.retriever import Retrieval, Retriever
@@ -106,3 +109,23 @@ def test_route_auto_scores_a_querys_breadth_off_the_event_loop(settings_for):
         return on_loop
 
     assert asyncio.run(ask()) == [False]
+
+
+def test_a_path_that_fails_every_replayed_query_refuses_the_reload(settings_for):
+    """What the old bundle answered, the new one must answer some of: a path failing all of
+    it is a BundleError (the reload is refused), not a swap."""
+
+    async def replay() -> None:
+        retriever = await loaded(settings_for(warmup_queries=1, routes="ranked=1"))
+
+        async def failing(*_: object) -> None:
+            raise RuntimeError("this path cannot answer")
+
+        retriever.batchers["single"].submit = failing  # type: ignore[method-assign]
+        try:
+            await retriever._replay(["dog", "cat"])
+        finally:
+            await retriever.close()
+
+    with pytest.raises(BundleError, match="single path failed every one of the 2"):
+        asyncio.run(replay())
