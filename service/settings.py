@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.limits import MAX_BATCH_QUERIES, MAX_K, MAX_QUERY_CHARS
+from service.redaction import without_credentials
 from service.routes import ROUTE_ORDER
 
 FALLBACK_ROUTES = "diffusion=0.9,ar=0.1"  # a bundle that measured none (no `routes` stage)
@@ -46,6 +47,9 @@ class Settings(BaseSettings):
 
     # --- bundle and runtimes
     bundle: Path = Field(DEFAULT_BUNDLE, description="Bundle folder served at start-up.")
+    models_root: Path | None = Field(
+        None, description="Folder a reload's bundle must lie in (default: the start-up "
+        "bundle's parent); POST /admin/reload names a bundle inside it.")
     providers: str = Field(
         "auto",
         description="ONNX Runtime providers, comma-separated; 'auto' = CUDA when available, "
@@ -248,7 +252,15 @@ class Settings(BaseSettings):
         return [p.strip() for p in self.providers.split(",") if p.strip()]
 
     def public(self) -> dict:
-        """The settings without secrets, for /v1/info and logs."""
+        """The settings without secrets, for /v1/info and logs: no tokens or keys, and a URL's
+        credentials and query (where keys travel) cut."""
         data = self.model_dump(mode="json", exclude={"admin_token", "openai_api_key"})
         data["admin_api"] = self.admin_token is not None
-        return data
+        return {name: without_credentials(value) if isinstance(value, str) and "://" in value
+                else value for name, value in data.items()}
+
+    def models_root_path(self) -> Path:
+        """The folder every reloaded bundle must lie in: R4T_MODELS_ROOT, else the start-up
+        bundle's parent."""
+        return (self.models_root or self.bundle.resolve().parent).resolve()
+

@@ -172,7 +172,7 @@ def install_routes(app: FastAPI, state: ServiceState) -> None:
         served = state.retriever.info() if state.retriever is not None else None
         return {"status": state.startup, "startup_error": state.startup_error,
                 "settings": settings.public(), "served": served,
-                "reload": state.reload.model_dump(),
+                "reload": {"state": state.reload.state},  # its path and error: /admin/reload
                 "build": read_build_status(state.served_path())}
 
     install_retrieval(app, state)
@@ -212,6 +212,16 @@ def install_retrieval(app: FastAPI, state: ServiceState) -> None:
                         media_type="application/json")
 
 
+def under_models_root(settings: Settings, bundle: str) -> Path:
+    """A reload's bundle, relative to the models root or absolute inside it; else a 422."""
+    root = settings.models_root_path()
+    target = (root / bundle).resolve()
+    if not target.is_relative_to(root):
+        raise InputError(f"bundle {bundle!r} is outside the models root {root} "
+                         "(R4T_MODELS_ROOT)")
+    return target
+
+
 def install_admin(app: FastAPI, state: ServiceState) -> None:
     settings = state.settings
 
@@ -229,7 +239,7 @@ def install_admin(app: FastAPI, state: ServiceState) -> None:
         if state.startup == "loading":  # start-up would publish its bundle over the reload's
             raise HTTPException(409, "the service is still loading its start-up bundle")
         current = state.retriever.bundle.path if state.retriever else settings.bundle
-        target = Path(body.bundle) if body.bundle else current
+        target = under_models_root(settings, body.bundle) if body.bundle else current
         state.reload = ReloadStatus(state="loading", bundle=str(target), started=now_iso())
         state.reload_task = asyncio.create_task(state.do_reload(target))
         if not body.wait:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from service.artifacts.items import ItemStore
@@ -128,12 +128,31 @@ def verify_bundle(bundle_dir: Path) -> dict[str, Any]:
     if not files:
         raise BundleError(f"bundle {bundle_dir} lists no files: it is partial")
     for name, record in sorted(files.items()):
-        path = bundle_dir / name
+        path = inside(bundle_dir, name)
         if not path.is_file():
             raise BundleError(f"bundle {bundle_dir} is partial: {name} is missing")
         if path.stat().st_size != record["bytes"] or sha256_file(path) != record["sha256"]:
             raise BundleError(f"bundle {bundle_dir} is corrupted: {name} fails its sha256 check")
     return manifest
+
+
+def inside(bundle_dir: Path, name: str) -> Path:
+    """`bundle_dir / name` for a relative path that stays inside the bundle (symlinks
+    followed); a BundleError for an absolute path, a `..` or a link out of it."""
+    relative = PurePosixPath(name)
+    path = bundle_dir / relative
+    if relative.is_absolute() or ".." in relative.parts or not path.resolve().is_relative_to(
+            bundle_dir.resolve()):
+        raise BundleError(f"bundle {bundle_dir} names {name!r}, a path outside the bundle")
+    return path
+
+
+def listed_file(bundle_dir: Path, manifest: dict[str, Any], name: str) -> Path:
+    """The bundle file `name`, refused unless the manifest lists (and so checksums) it."""
+    path = inside(bundle_dir, name)
+    if name not in manifest.get("files", {}):
+        raise BundleError(f"bundle {bundle_dir} loads {name!r}, which its manifest does not list")
+    return path
 
 
 def new_manifest(name: str, encoder: EncoderConfig, seed: int) -> dict[str, Any]:
@@ -330,8 +349,12 @@ class Bundle:
     def encoder_config(self) -> EncoderConfig:
         enc = self.manifest["encoder"]
         folder = enc.get("folder")  # an exported ONNX encoder inside the bundle
+        if folder is not None and not any(
+                name.startswith(f"{folder}/") for name in self.manifest.get("files", {})):
+            raise BundleError(f"bundle {self.path}: its encoder folder {folder!r} holds no "
+                              "file the manifest lists")
         return EncoderConfig(name=enc["name"], dim=int(enc["dim"]),
-                             folder=None if folder is None else str(self.path / folder))
+                             folder=None if folder is None else str(inside(self.path, folder)))
 
     @property
     def encoder_identity(self) -> tuple[str, int, tuple[str, ...]]:

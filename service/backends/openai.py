@@ -18,6 +18,7 @@ import httpx
 from service.deadline import check, left_s
 from service.errors import UnavailableError
 from service.fanout.format import MAX_NEW_TOKENS, Generation
+from service.redaction import without_credentials
 
 RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_RETRY_AFTER_S = 5.0
@@ -63,7 +64,8 @@ class OpenAICompletionBackend:
     def describe(self) -> dict[str, Any]:
         c = self.config
         return {
-            "backend": self.name, "providers": [f"openai:{c.base_url}"], "model": c.model,
+            "backend": self.name, "model": c.model,
+            "providers": [f"openai:{without_credentials(c.base_url)}"],
             "temperature": c.temperature, "max_tokens": c.max_tokens,
             "timeout_s": c.timeout_s, "retries": c.retries,
         }
@@ -110,7 +112,8 @@ class OpenAICompletionBackend:
             if attempt < self.config.retries:
                 time.sleep(max(left_s(deadline, delay), 0.0))
         check(deadline, f"the completion call ({last})")  # a 504 when that is what cut it
-        raise UnavailableError(f"completion endpoint {self.config.base_url} failed: {last}")
+        raise UnavailableError(f"completion endpoint {without_credentials(self.config.base_url)} "
+                               f"failed: {last}")
 
     @staticmethod
     def _json(response: httpx.Response) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from service.artifacts.bundle import Bundle
+from service.artifacts.bundle import Bundle, listed_file
 from service.errors import BundleError
 from service.fanout.mentions import FEATURES, CandidateSizes, MentionFeatures, MentionWords
 
@@ -63,8 +63,9 @@ class Ranker:
         self._lock = threading.Lock()  # one LightGBM prediction at a time per model
 
     @classmethod
-    def load(cls, directory: Path) -> Ranker:
-        """The ranker stage in `directory` (a BundleError when it is not there)."""
+    def load(cls, directory: Path, manifest: dict[str, Any] | None = None) -> Ranker:
+        """The ranker stage in `directory` (a BundleError when it is not there); given the
+        bundle's manifest, its model must be a file the manifest lists."""
         path = directory / RANKER_CONFIG
         if not path.is_file():
             raise BundleError(f"bundle has no {RANKER_DIR}/{RANKER_CONFIG}: `r4t --bundle "
@@ -78,7 +79,9 @@ class Ranker:
             raise ImportError(f"lightgbm cannot load its library ({exc}): install the system's "
                               "OpenMP runtime (Debian: libgomp1)") from exc
         # an ImportError leaves the route out, as a missing runtime does
-        return cls(config, lightgbm.Booster(model_file=str(directory / config.model)))
+        model = directory / config.model if manifest is None else listed_file(
+            directory.parent, manifest, f"{directory.name}/{config.model}")
+        return cls(config, lightgbm.Booster(model_file=str(model)))
 
     def score(self, features: np.ndarray) -> np.ndarray:
         """(C,) higher is better, for features (C, F)."""
@@ -112,7 +115,7 @@ class ScoredCandidates:
                  features: MentionFeatures | None = None) -> None:
         """`features`: the bundle's, shared by scorers that differ only in their model or
         redundancy (their per-item caches kept); they must read the ranker's sizes and words."""
-        self.ranker = ranker or Ranker.load(bundle.path / RANKER_DIR)
+        self.ranker = ranker or Ranker.load(bundle.path / RANKER_DIR, bundle.manifest)
         config = self.ranker.config
         if features is None:
             features = MentionFeatures(bundle, config.sizes, config.words)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -16,8 +17,9 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def reload_server(settings_for):
-    with live_server(settings_for()) as live:
+def reload_server(settings_for, tmp_path_factory):
+    """The service, reloading bundles from anywhere in this run's temporary folders."""
+    with live_server(settings_for(models_root=tmp_path_factory.getbasetemp())) as live:
         yield live
 
 
@@ -183,3 +185,28 @@ def test_a_reload_replays_answered_queries_only(reload_server, second_bundle, co
         answered = "answered replay probe"
         assert client.post("/v1/retrieve", json={"query": answered}).status_code == 200
         assert reload_server.app.state.r4t.retriever.recent[-1] == answered
+
+
+def test_a_reload_outside_the_models_root_is_refused(settings_for, serving_bundle, tmp_path):
+    """The admin API loads bundles from one folder (R4T_MODELS_ROOT, default: the start-up
+    bundle's parent): a path out of it is the caller's 422, and nothing is loaded."""
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(serving_bundle, outside)
+    with live_server(settings_for()) as live, live.client() as client:
+        for bundle in (str(outside), "../elsewhere", "/etc"):
+            response = client.post("/admin/reload", headers=AUTH,
+                                   json={"bundle": bundle, "wait": True})
+            assert response.status_code == 422 and "models root" in response.text, bundle
+        assert client.get("/admin/reload", headers=AUTH).json()["state"] == "idle"
+        response = client.post("/admin/reload", headers=AUTH,  # by name, under the root
+                               json={"bundle": serving_bundle.name, "wait": True})
+        assert response.status_code == 200, response.text
+
+
+def test_anonymous_info_holds_no_credentials_and_no_reload_details(settings_for):
+    secret = "http://user:s3cret@127.0.0.1:9/v1?api_key=abc"
+    with live_server(settings_for(openai_base_url=secret)) as live, live.client() as client:
+        info = client.get("/v1/info").json()
+        assert "s3cret" not in json.dumps(info) and "abc" not in json.dumps(info)
+        assert info["settings"]["openai_base_url"] == "http://127.0.0.1:9/v1"
+        assert info["reload"] == {"state": "idle"}

@@ -64,3 +64,39 @@ def test_unknown_format_version_is_refused(bundle_copy: Path):
 def test_missing_manifest_is_refused(tmp_path: Path):
     with pytest.raises(BundleError, match=r"manifest\.json is missing"):
         load_bundle(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["../outside.txt", "/etc/hostname", "items/../../x"])
+def test_a_manifest_naming_a_file_outside_the_bundle_is_refused(small_bundle_dir, tmp_path,
+                                                                name):
+    copy = tmp_path / "b"
+    shutil.copytree(small_bundle_dir, copy)
+    (tmp_path / "outside.txt").write_text("x")
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["files"][name] = {"sha256": "0" * 64, "bytes": 1}
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="outside the bundle"):
+        verify_bundle(copy)
+
+
+@pytest.mark.parametrize("folder, problem", [("/usr/lib", "holds no file"),
+                                             ("../elsewhere", "holds no file")])
+def test_an_encoder_folder_the_manifest_does_not_list_is_refused(small_bundle_dir, folder,
+                                                                 problem):
+    bundle = load_bundle(small_bundle_dir)
+    bundle.manifest["encoder"] = {**bundle.manifest["encoder"], "folder": folder}
+    with pytest.raises(BundleError, match=problem):
+        _ = bundle.encoder_config
+
+
+@pytest.mark.parametrize("model", ["/etc/hostname", "../manifest.json", "unlisted.txt"])
+def test_a_ranker_model_outside_the_manifest_is_refused(small_bundle_dir, tmp_path, model):
+    from service.fanout.ranker import RANKER_CONFIG, Ranker, RankerConfig
+
+    copy = tmp_path / "b"
+    shutil.copytree(small_bundle_dir, copy)
+    (copy / "ranker" / "unlisted.txt").write_text("tree\n")
+    config = RankerConfig.from_dict({**RankerConfig().to_dict(), "model": model})
+    (copy / "ranker" / RANKER_CONFIG).write_text(json.dumps(config.to_dict()))
+    with pytest.raises(BundleError, match=r"outside the bundle|does not list"):
+        Ranker.load(copy / "ranker", json.loads((copy / MANIFEST).read_text()))
