@@ -5,44 +5,45 @@
 # imports training only for the subcommands that build), its dependencies, the bundle and a
 # non-root user.
 #   docker build -t r4t .                          # CPU runtime
-#   docker build -t r4t:gpu --build-arg RUNTIME=gpu .   # onnxruntime-gpu on a CUDA base image
+#   docker build -t r4t:gpu --build-arg RUNTIME=gpu \
+#     --build-arg RUNTIME_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 .  # onnxruntime-gpu
 ARG RUNTIME=cpu
+ARG RUNTIME_IMAGE=python:3.11-slim-bookworm
 
 FROM python:3.11-slim-bookworm AS builder
 # libgomp1: OpenMP, which lightgbm's wheel (the ranker) links and the slim image lacks
 RUN apt-get update && apt-get install -y --no-install-recommends wordnet-base git libgomp1 \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml constraints.txt README.md ./
+COPY pyproject.toml README.md deploy/serve.lock ./
 COPY service service
 COPY training training
 COPY models/shipped models/shipped
 RUN python -m venv /opt/train \
-    && /opt/train/bin/pip install --no-cache-dir -c constraints.txt -e .
+    && /opt/train/bin/pip install --no-cache-dir -c serve.lock -e .
 RUN /opt/train/bin/r4t --bundle /bundle/default bundle
 
-FROM python:3.11-slim-bookworm AS runtime-cpu
+# One runtime stage on a base chosen by RUNTIME_IMAGE (a stage named by an ARG is a BuildKit
+# feature buildah/podman lack): python's slim image, or CUDA's, which lacks python.
+FROM ${RUNTIME_IMAGE} AS runtime
+ARG RUNTIME
+# libgomp1: OpenMP, which lightgbm's wheel (the ranked route) links and the slim image lacks
 RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 \
-    && rm -rf /var/lib/apt/lists/* && python -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-
-FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 AS runtime-gpu
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv libgomp1 \
+       $(if [ "$RUNTIME" = gpu ]; then echo python3 python3-venv; fi) \
     && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-
-FROM runtime-${RUNTIME} AS runtime
-ARG RUNTIME
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md deploy/serve.lock ./
 COPY service service
-# onnxruntime-gpu replaces the CPU wheel (both install the `onnxruntime` module).
-RUN pip install --no-cache-dir '.[milvus]' \
+# pinned as the tests ran (deploy/serve.lock, `make lock`); onnxruntime-gpu replaces the CPU
+# wheel (both install the `onnxruntime` module)
+RUN pip install --no-cache-dir -c serve.lock '.[milvus]' \
     && if [ "$RUNTIME" = gpu ]; then pip uninstall -y onnxruntime \
        && pip install --no-cache-dir onnxruntime-gpu; fi \
-    && useradd --uid 10001 --create-home r4t
-COPY --from=builder --chown=r4t /bundle/default /app/models/default
-USER r4t
+    && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin r4t
+# the bundle belongs to root and is read-only to the service's user
+COPY --from=builder --chmod=a=rX /bundle/default /app/models/default
+USER 10001
 ENV R4T_HOST=0.0.0.0 R4T_PORT=8000 R4T_BUNDLE=/app/models/default
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \

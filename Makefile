@@ -12,7 +12,7 @@ APT     := $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) 
 
 .PHONY: install serve-install train-install wordnet system-deps bundle eval eval-auto serve \
         test lint bench scale loadtest overload soak chaos clean-bundle gpu-bundle gpu-smoke wrk \
-        llm ship
+        llm ship lock
 
 # Three installs, each the one before plus more: serving (`make serve`: the service and the
 # catalog stages, no torch), training (`make bundle`: + torch's CPU wheel), everything (`make
@@ -153,6 +153,11 @@ gpu-smoke: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# The runtime image's pins (deploy/serve.lock): the serving install resolved against this
+# venv's versions (the ones `make test` passed with).
+lock: install
+	$(PY) deploy/lock.py
 
 # One worker per core, a test file per worker (its module fixtures build once).
 test: lint

@@ -25,7 +25,7 @@ def test_the_entry_point_is_not_under_training() -> None:
 
 def test_the_runtime_image_copies_no_training() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
-    runtime = dockerfile[dockerfile.index("FROM runtime-"):]
+    runtime = dockerfile[dockerfile.index("AS runtime"):]
     copies = [line for line in runtime.splitlines() if line.startswith("COPY")]
     assert copies and not any(re.search(r"\btraining\b", line) for line in copies)
 
