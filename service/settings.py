@@ -80,6 +80,9 @@ class Settings(BaseSettings):
     # --- HTTP server
     host: str = Field("127.0.0.1", description="Address uvicorn binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port uvicorn binds.")
+    admin_port: int | None = Field(
+        None, ge=1, le=65535, description="A second port, on the same address, that alone "
+        "serves /admin/* (keep it off the public Service); unset: the one port serves it.")
     log_level: str = Field("info", description="Log level of the JSON logs.")
     admin_token: SecretStr | None = Field(
         None, description="Bearer token of /admin/*; unset disables the admin API (403)."

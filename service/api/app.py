@@ -70,8 +70,12 @@ async def until_disconnect(request: Request, work: Awaitable[T], metrics: Metric
     return task.result()
 
 
-def check_admin(settings: Settings, authorization: str | None) -> None:
-    """The admin API answers only the configured bearer token (compared in constant time)."""
+def check_admin(settings: Settings, request: Request, authorization: str | None) -> None:
+    """The admin API answers only the configured bearer token (compared in constant time),
+    and with R4T_ADMIN_PORT only on that port: elsewhere it does not exist (404)."""
+    port = (request.scope.get("server") or (None, None))[1]
+    if settings.admin_port is not None and port != settings.admin_port:
+        raise HTTPException(404, "Not Found")
     if settings.admin_token is None:
         raise HTTPException(403, "the admin API is disabled (R4T_ADMIN_TOKEN is not set)")
     scheme, _, token = (authorization or "").partition(" ")
@@ -230,9 +234,9 @@ def install_admin(app: FastAPI, state: ServiceState) -> None:
               responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse},
                          409: {"model": ErrorResponse}, 422: {"model": ErrorResponse},
                          200: {"model": ReloadStatus, "description": "wait=true: done"}})
-    async def reload(body: ReloadRequest | None = None,
+    async def reload(request: Request, body: ReloadRequest | None = None,
                      authorization: str | None = Header(None)) -> Any:
-        check_admin(settings, authorization)
+        check_admin(settings, request, authorization)
         body = body or ReloadRequest()
         if state.reload_task is not None and not state.reload_task.done():
             raise HTTPException(409, "a reload is already running")
@@ -253,6 +257,7 @@ def install_admin(app: FastAPI, state: ServiceState) -> None:
     @app.get("/admin/reload", tags=["admin"], response_model=ReloadStatus,
              summary="Status of the last reload.",
              responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
-    async def reload_status(authorization: str | None = Header(None)) -> ReloadStatus:
-        check_admin(settings, authorization)
+    async def reload_status(request: Request,
+                            authorization: str | None = Header(None)) -> ReloadStatus:
+        check_admin(settings, request, authorization)
         return state.reload

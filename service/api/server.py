@@ -141,14 +141,27 @@ def server_for(settings: Settings, app: FastAPI, log_config: dict[str, Any] | No
     return DrainingServer(config, state.begin_drain, settings.drain_s)
 
 
+def listening(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), IPv6 when the host is an IPv6 address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def serve(settings: Settings | None = None) -> None:
-    """Run the service in the foreground until interrupted."""
+    """Run the service in the foreground until interrupted: on R4T_PORT, and with
+    R4T_ADMIN_PORT also on that port (the only one that serves /admin/*)."""
     from service.api.app import create_app
 
     settings = settings or Settings()
     config = log_config(settings.log_level)
     logging.config.dictConfig(config)
-    server_for(settings, create_app(settings), config).run()
+    ports = [settings.port] if settings.admin_port is None else [settings.port,
+                                                                  settings.admin_port]
+    sockets = [listening(settings.host, port) for port in ports]
+    server_for(settings, create_app(settings), config).run(sockets=sockets)
 
 
 @contextmanager

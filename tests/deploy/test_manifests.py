@@ -121,5 +121,21 @@ def test_the_compose_milvus_profile_uses_the_engines_own_images():
     assert all("image" in s and "build" not in s for n, s in engine.items() if n != "r4t-milvus")
     assert services["r4t-milvus"]["environment"]["R4T_INDEX"] == "milvus"
     # the image's ENTRYPOINT is `r4t serve`: loading first needs its own entrypoint
-    assert "r4t --bundle /app/models/default index milvus://" in \
+    assert "r4t --bundle /tmp/default index milvus://" in \
         services["r4t-milvus"]["entrypoint"][-1]
+
+
+def test_the_pod_is_locked_down_and_admin_stays_off_the_service():
+    docs = k8s_documents()
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    locked = container["securityContext"]
+    assert locked["allowPrivilegeEscalation"] is False and locked["readOnlyRootFilesystem"]
+    assert locked["capabilities"]["drop"] == ["ALL"]
+    settings = docs["ConfigMap"]["data"]
+    admin = next(p for p in container["ports"] if p["name"] == "admin")
+    assert admin["containerPort"] == int(settings["R4T_ADMIN_PORT"])
+    assert {p["targetPort"] for p in docs["Service"]["spec"]["ports"]} == {"http"}
+    assert "R4T_ROUTES" not in settings  # the bundle's measured arms are served

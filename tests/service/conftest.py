@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +32,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from service.api.app import create_app
-from service.api.server import server_for
+from service.api.server import listening, server_for
 from service.artifacts.bundle import config_hash, read_manifest, stage, write_manifest
 from service.loopback import free_port, wait_ready
 from service.settings import Settings
@@ -351,11 +350,11 @@ def live_server(settings: Settings, ready: bool = True) -> Iterator[LiveServer]:
     """create_app(settings) under r4t serve's uvicorn server on 127.0.0.1 (a free port), in a
     thread (signals stay with the test process: SIGTERM is tested on `serve_process`)."""
     app = create_app(settings)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock = listening("127.0.0.1", 0)
+    sockets = [sock] if settings.admin_port is None else [
+        sock, listening("127.0.0.1", settings.admin_port)]  # as r4t serve binds them
     server = server_for(settings, app)  # r4t serve's own server: limits, receive deadline
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
@@ -368,7 +367,8 @@ def live_server(settings: Settings, ready: bool = True) -> Iterator[LiveServer]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-        sock.close()
+        for bound in sockets:
+            bound.close()
 
 
 @contextmanager

@@ -7,9 +7,11 @@ import shutil
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from service.artifacts.bundle import read_manifest, write_manifest
+from service.loopback import free_port
 from tests.service.api.test_app import assert_k_unique, metric_samples
 from tests.service.conftest import ADMIN_TOKEN, asked, live_server
 
@@ -210,3 +212,14 @@ def test_anonymous_info_holds_no_credentials_and_no_reload_details(settings_for)
         assert "s3cret" not in json.dumps(info) and "abc" not in json.dumps(info)
         assert info["settings"]["openai_base_url"] == "http://127.0.0.1:9/v1"
         assert info["reload"] == {"state": "idle"}
+
+
+def test_with_an_admin_port_the_admin_api_exists_there_only(settings_for):
+    admin_port = free_port()
+    with live_server(settings_for(admin_port=admin_port)) as live, live.client() as client:
+        assert client.post("/admin/reload", headers=AUTH).status_code == 404
+        assert client.get("/admin/reload", headers=AUTH).status_code == 404
+        assert client.post("/v1/retrieve", json={"query": "dog"}).status_code == 200
+        admin = f"http://127.0.0.1:{admin_port}"
+        assert httpx.get(f"{admin}/admin/reload").status_code == 401
+        assert httpx.get(f"{admin}/admin/reload", headers=AUTH).json()["state"] == "idle"
