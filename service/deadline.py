@@ -9,10 +9,12 @@ from collections.abc import Iterable
 from service.errors import DeadlineError
 
 
-def earliest(deadlines: Iterable[float | None]) -> float | None:
-    """The batch's bound: its earliest deadline (None when no request has one)."""
-    bounded = [d for d in deadlines if d is not None]
-    return min(bounded) if bounded else None
+def latest(deadlines: Iterable[float | None]) -> float | None:
+    """A batch's bound: its latest deadline (None when a request has none). Work stops only
+    when no request can use it; a request whose own deadline passed gets its 504 from its
+    batcher, not its batch-mates."""
+    found = list(deadlines)
+    return None if not found or None in found else max(d for d in found if d is not None)
 
 
 def left_s(deadline: float | None, cap_s: float) -> float:

@@ -14,7 +14,7 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.backends.protocol import FanoutBackend
-from service.deadline import earliest
+from service.deadline import latest
 from service.fanout.cache import FanoutCache
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.format import Generation, PromptBuilder, parse_fanout
@@ -55,7 +55,7 @@ class AutoregressiveRoute:
         queries = self.encoder.encode(texts)  # (B, d)
         clock.lap("encode")
         generations, cached = self._fanouts(texts, queries, clock,
-                                            earliest(q.deadline for q in batch))
+                                            latest(q.deadline for q in batch))
         parsed = [parse_fanout(g.text, self.fanout_k) for g in generations]
         fresh = [i for i, p in enumerate(parsed) if not cached[i] and p.well_formed]
         self.cache.put_many([texts[i] for i in fresh],  # a malformed one is asked again
@@ -95,7 +95,7 @@ class AutoregressiveRoute:
     def _fanouts(self, texts: list[str], queries: np.ndarray, clock: StageClock,
                  deadline: float | None) -> tuple[list[Generation], list[bool]]:
         """Each query's fan-out, from the cache or from the model (prompted for the misses
-        only, bounded by the batch's earliest deadline), and whether it came from the cache."""
+        only, bounded by the batch's latest deadline), and whether it came from the cache."""
         found = self.cache.get_many(texts)
         missing = [i for i, g in enumerate(found) if g is None]
         if missing:
