@@ -19,7 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 WATCH_S = 2.0  # manifest poll period while a background build runs
 BUILD_NICENESS = 10  # the build yields the cores to requests
+CLOSE_MARGIN_S = 1.0  # of the shutdown grace, left to send the 503s of work still open
 BUILD_FLAGS = ("source", "benchmark", "preset")  # passed on to the build: a user's own catalog
 STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys()) | {
     "message", "asctime", "taskName", "color_message",
@@ -94,15 +95,25 @@ class DrainingServer(uvicorn.Server):
     ends the drain early."""
 
     def __init__(self, config: uvicorn.Config, begin_drain: Callable[[], None],
-                 drain_s: float) -> None:
+                 drain_s: float, close_routes: Callable[[float], Awaitable[None]]) -> None:
         super().__init__(config)
-        self.begin_drain, self.drain_s = begin_drain, drain_s
+        self.begin_drain, self.drain_s, self.close_routes = begin_drain, drain_s, close_routes
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Close the routes as uvicorn's grace starts, within all but CLOSE_MARGIN_S of it:
+        a request still queued or computing then gets a 503, not a dropped connection."""
+        grace = float(self.config.timeout_graceful_shutdown or 0)
+        closing = asyncio.ensure_future(self.close_routes(max(grace - CLOSE_MARGIN_S, 0.0)))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            await closing
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM or self.loop is None:
@@ -138,7 +149,7 @@ def server_for(settings: Settings, app: FastAPI, log_config: dict[str, Any] | No
         limit_concurrency=settings.max_connections,
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
     )
-    return DrainingServer(config, state.begin_drain, settings.drain_s)
+    return DrainingServer(config, state.begin_drain, settings.drain_s, state.close_routes)
 
 
 def listening(host: str, port: int) -> socket.socket:

@@ -175,6 +175,12 @@ class ServiceState:
             failed = self.reload.state == "failed"
             seen, failures = stamp, failures + 1 if failed else 0
 
+    async def close_routes(self, grace_s: float) -> None:
+        """Shutting down: the served routes finish their queued work within `grace_s`, then
+        answer what is left with a 503 (while the server still waits to send it)."""
+        if self.retriever is not None:
+            await self.retriever.close(grace_s)
+
     def served_path(self) -> Path:
         return self.retriever.bundle.path if self.retriever else self.settings.bundle
 

@@ -164,10 +164,11 @@ class Batcher(Generic[P, R]):
                 f"no answer from the {self.name} path before the request deadline"
             ) from None
 
-    async def close(self) -> None:
-        """Stop taking requests, let queued ones finish (bounded), then stop the worker."""
+    async def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Stop taking requests, let queued ones finish within `grace_s`, then stop the worker;
+        what is left is answered with UnavailableError (a 503)."""
         self._closed = True
-        stop_at = time.monotonic() + CLOSE_GRACE_S
+        stop_at = time.monotonic() + grace_s
         while (self._queue.qsize() or self._busy) and time.monotonic() < stop_at:
             await asyncio.sleep(0.01)
         if self._task is not None:

@@ -39,7 +39,7 @@ from service.runtime.faults import FaultySampler, Stall
 from service.runtime.filters import metadata_fields, where_of
 from service.runtime.index import IndexChoice, set_threads
 from service.scheduling.assembly import Loaders, RetrievalRoute, load_routes
-from service.scheduling.batching import Batcher, Completed, describe
+from service.scheduling.batching import CLOSE_GRACE_S, Batcher, Completed, describe
 from service.scheduling.routing import Assignment, Router
 from service.scheduling.trigger import Decision, FanoutMode, FanoutTrigger
 from service.settings import Settings
@@ -99,7 +99,7 @@ class Retriever:
         self.router = Router(self.weights, set(paths), settings.seed)
         self.trigger = FanoutTrigger(bundle.lexical, settings.fanout_threshold,
                                      settings.fanout_lead)
-        self.warm = False
+        self.warm, self.closed = False, False
 
     @classmethod
     def load(
@@ -202,13 +202,16 @@ class Retriever:
                 log.warning("replaying %d recent queries on the %s path: %d failed (first: %r)",
                             len(texts), name, len(failed), failed[0])
 
-    async def close(self) -> None:
-        """Close the batchers, then the AR backend in a thread (llama.cpp's close waits for
-        the decode in progress); the batchers are dropped, since their compute functions hold
-        this retriever: a cycle that would keep the retired bundle until a full collection."""
-        for batcher in self.batchers.values():
-            await batcher.close()
-        self.batchers = {}
+    async def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Close the batchers together (queued work gets `grace_s` in all, not per route),
+        then the AR backend in a thread (llama.cpp's close waits for the decode in progress);
+        the batchers are dropped, since their compute functions hold this retriever: a cycle
+        that would keep the retired bundle until a full collection. Closing twice is a no-op."""
+        if self.closed:
+            return
+        self.closed = True
+        closing, self.batchers = list(self.batchers.values()), {}
+        await asyncio.gather(*(batcher.close(grace_s) for batcher in closing))
         ar = self.paths.get("ar")
         if isinstance(ar, AutoregressiveRoute):
             await asyncio.to_thread(ar.backend.close)

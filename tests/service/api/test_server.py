@@ -134,3 +134,24 @@ def test_a_load_in_flight_does_not_hold_the_process_at_exit():
                           text=True, timeout=WAIT_S)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "shut down"
+
+
+def test_work_still_open_when_the_grace_ends_gets_a_503_not_a_dropped_connection(
+    serving_bundle, completion_server, tmp_path
+):
+    """The routes close as the shutdown grace starts, within all but a margin of it: a request
+    whose fan-out outlasts the grace is answered 503 (UnavailableError), then the process
+    exits 0."""
+    env = {"R4T_DRAIN_S": "0", "R4T_SHUTDOWN_GRACE_S": "2",
+           "R4T_REQUEST_TIMEOUT_MS": str(1000 * WAIT_S)}
+    with server_process(serving_bundle, completion_server, tmp_path / "r4t.log", **env) as (
+            url, process), ThreadPoolExecutor(1) as pool, \
+            holding_completions(completion_server) as held:
+        in_flight = pool.submit(httpx.post, f"{url}/v1/retrieve", timeout=WAIT_S,
+                                json={"query": "harp", "route": "ar"})
+        wait_until(lambda: held.held == 1, "harp's fan-out held in compute")
+        process.send_signal(signal.SIGTERM)
+        answer = in_flight.result(timeout=WAIT_S)
+        held.release()
+        assert answer.status_code == 503 and "closed" in answer.text
+        assert process.wait(timeout=WAIT_S) == 0

@@ -129,3 +129,30 @@ def test_a_path_that_fails_every_replayed_query_refuses_the_reload(settings_for)
 
     with pytest.raises(BundleError, match="single path failed every one of the 2"):
         asyncio.run(replay())
+
+
+def test_a_retriever_closes_its_routes_together_within_one_grace(settings_for, monkeypatch):
+    """Shutdown's grace is shared, not spent per route: every batcher starts closing before
+    any has finished."""
+    from service.scheduling.batching import Batcher
+
+    events: list[str] = []
+    close = Batcher.close
+
+    async def recorded(self, grace_s: float = 10.0) -> None:
+        events.append(f"start {self.name}")
+        await close(self, grace_s)
+        events.append(f"end {self.name}")
+
+    monkeypatch.setattr(Batcher, "close", recorded)
+
+    async def closed() -> int:
+        retriever = await loaded(settings_for(warmup_queries=1, routes="ranked=1"))
+        routes = len(retriever.batchers)
+        await retriever.close(0.5)
+        await retriever.close(0.5)  # twice: nothing more
+        return routes
+
+    routes = asyncio.run(closed())
+    assert routes >= 3 and len(events) == 2 * routes
+    assert all(e.startswith("start") for e in events[:routes])
