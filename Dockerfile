@@ -41,8 +41,8 @@ RUN pip install --no-cache-dir -c serve.lock '.[milvus]' \
     && if [ "$RUNTIME" = gpu ]; then pip uninstall -y onnxruntime \
        && pip install --no-cache-dir onnxruntime-gpu; fi \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin r4t
-# the bundle belongs to root and is read-only to the service's user
-COPY --from=builder --chmod=a=rX /bundle/default /app/models/default
+# root owns the bundle (files 644, folders 755): read-only to the service's user
+COPY --from=builder /bundle/default /app/models/default
 USER 10001
 ENV R4T_HOST=0.0.0.0 R4T_PORT=8000 R4T_BUNDLE=/app/models/default
 EXPOSE 8000
