@@ -12,7 +12,10 @@ its figures in one JSON report (chaos.json, chaos.md). Exits 1 when a case fails
   deadline, then back, with the shipped timeouts and retries: a clear 503 (down) or 504 (slow)
   by the deadline, never later, then recovery;
 - clients: clients that leave mid-request and clients that trickle their headers: no worker
-  stuck, no descriptor or queue slot leaked.
+  stuck, no descriptor or queue slot leaked;
+- hostile: batch calls of hostile inputs (1,000 characters, frequent and never-seen words,
+  FTS5 syntax, emoji filters, HTML) in a loop: every answer a 200 or a 4xx, /healthz within
+  HEALTHZ_P99_MS at p99.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.hostile import HOSTILE, hostile_batch
 from loadtest.openloop import TRANSPORT_ERROR, Load, scenario_body, summarize
 from loadtest.report import publish
 from loadtest.run import HOST, check_bundle, start_server, stop_server, wait_ready
@@ -455,9 +459,34 @@ def case_clients(chaos: Chaos) -> dict[str, Any]:
     return result
 
 
+def case_hostile(chaos: Chaos) -> dict[str, Any]:
+    """Batch calls of hostile inputs (loadtest/hostile.py) in a loop, one after another, each
+    at the batch limit over every route: every answer a 200 or a 4xx, /healthz within
+    HEALTHZ_P99_MS at p99 throughout (their cost stays off the event loop)."""
+    seconds, counts = 20.0, {}
+    with chaos.server("hostile", R4T_REQUEST_TIMEOUT_MS="30000") as (url, _), \
+            Liveness(url) as liveness, httpx.Client(base_url=url, timeout=120.0) as client:
+        kinds, stop = itertools.cycle(sorted(HOSTILE)), time.monotonic() + seconds
+        for seed in itertools.count():
+            if time.monotonic() >= stop:
+                break
+            kind = next(kinds)
+            status = str(client.post("/v1/retrieve:batch", json=hostile_batch(kind, seed))
+                         .status_code)
+            counts.setdefault(kind, {}).setdefault(status, 0)
+            counts[kind][status] += 1
+    answered = {status for by_status in counts.values() for status in by_status}
+    result = {"batch_calls_by_kind_and_status": counts, "healthz": liveness.summary()}
+    result["passed"] = (all(s == "200" or s.startswith("4") for s in answered)
+                        and liveness.summary()["p99_ms"] <= HEALTHZ_P99_MS
+                        and liveness.summary()["failures"] == 0)
+    return result
+
+
 CASES: dict[str, Case] = {"reload": case_reload, "sigterm": case_sigterm,
                           "diffusion_faults": case_diffusion_faults,
-                          "ar_backend": case_ar_backend, "clients": case_clients}
+                          "ar_backend": case_ar_backend, "clients": case_clients,
+                          "hostile": case_hostile}
 
 
 def rounded(value: Any) -> Any:
