@@ -169,9 +169,13 @@ def new_manifest(name: str, encoder: EncoderConfig, seed: int) -> dict[str, Any]
     }
 
 
+FILE_MODE = 0o644  # bundle files: written by the builder, readable by whoever serves them
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """Replace `path` atomically with `data` as JSON (write a temp file, fsync, rename)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    os.fchmod(fd, FILE_MODE)  # mkstemp's 0600 would hide the manifest from a service user
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             json.dump(data, out, indent=2, sort_keys=True)

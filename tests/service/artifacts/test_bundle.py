@@ -1,5 +1,6 @@
 import json
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,11 @@ def test_a_ranker_model_outside_the_manifest_is_refused(small_bundle_dir, tmp_pa
     (copy / "ranker" / RANKER_CONFIG).write_text(json.dumps(config.to_dict()))
     with pytest.raises(BundleError, match=r"outside the bundle|does not list"):
         Ranker.load(copy / "ranker", json.loads((copy / MANIFEST).read_text()))
+
+
+def test_every_bundle_file_is_readable_by_another_user(small_bundle_dir):
+    """The image serves its bundle as an unprivileged user that does not own it: no file the
+    build writes (the manifest, written atomically, included) may be private to its owner."""
+    private = [p.name for p in small_bundle_dir.rglob("*")
+               if p.is_file() and not p.stat().st_mode & stat.S_IROTH]
+    assert private == []
