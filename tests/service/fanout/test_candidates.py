@@ -26,12 +26,15 @@ def test_sources_dense_lexical_and_their_fusion(bundle):
     lexical = candidate_rows(bundle, texts, queries, 30, "lexical")
     hybrid = candidate_rows(bundle, texts, queries, 30, "hybrid")
     assert np.array_equal(np.stack(dense), search(bundle.index, queries, 30)[1])
+    agreed = 0
     for d, lex, h in zip(dense, lexical, hybrid, strict=True):
         assert len(h) == len(set(h.tolist())) == 30
         assert set(h.tolist()) <= set(d.tolist()) | set(lex.tolist())
         both = [r for r in d.tolist() if r in set(lex.tolist())]
         if both:  # found by both sources: ranked first
             assert h[0] in both
+            agreed += 1
+    assert agreed  # the rule was exercised
 
 
 def test_fusion_ranks_by_summed_reciprocal_rank():
