@@ -466,13 +466,14 @@ def case_hostile(chaos: Chaos) -> dict[str, Any]:
     seconds, counts = 20.0, {}
     with chaos.server("hostile", R4T_REQUEST_TIMEOUT_MS="30000") as (url, _), \
             Liveness(url) as liveness, httpx.Client(base_url=url, timeout=120.0) as client:
+        served = ("auto", *client.get("/readyz").json()["routes"])
         kinds, stop = itertools.cycle(sorted(HOSTILE)), time.monotonic() + seconds
         for seed in itertools.count():
             if time.monotonic() >= stop:
                 break
             kind = next(kinds)
-            status = str(client.post("/v1/retrieve:batch", json=hostile_batch(kind, seed))
-                         .status_code)
+            status = str(client.post("/v1/retrieve:batch",
+                                     json=hostile_batch(kind, seed, served)).status_code)
             counts.setdefault(kind, {}).setdefault(status, 0)
             counts[kind][status] += 1
     answered = {status for by_status in counts.values() for status in by_status}

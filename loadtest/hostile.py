@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import string
+from collections.abc import Sequence
 from typing import Any
 
 from service.limits import MAX_BATCH_QUERIES, MAX_QUERY_CHARS
@@ -32,18 +33,19 @@ HOSTILE: dict[str, tuple[str, dict[str, Any] | None]] = {
     "frequent": (fill("of the a and in "), None),
     "never-seen": (never_seen(0), None),
     "fts5-syntax": (fill('NEAR(a b) OR "x" AND c* ^d -e {f} : '), None),
-    "emoji-filter": ("dog", {"shelf": "😀 \\ \" ' naïve"}),
+    "emoji-filter": ("dog", {"lemma": "😀 \\ \" ' naïve"}),
     "html": (fill("<script>alert(1)</script><b>dog</b> &amp; "), None),
     "punctuation": (fill("?!.,;:- "), None),
 }
 
 
-def hostile_batch(kind: str, seed: int = 0) -> dict[str, Any]:
-    """A /v1/retrieve:batch body at the batch limit: `kind`'s query spread over every route
-    (never-seen words fresh per seed, so no cache answers them)."""
+def hostile_batch(kind: str, seed: int = 0, routes: Sequence[str] = ROUTES) -> dict[str, Any]:
+    """A /v1/retrieve:batch body at the batch limit: `kind`'s query spread over `routes` (the
+    served ones: forcing a route not loaded is a 503 by design), never-seen words fresh per
+    seed, so no cache answers them."""
     text, where = HOSTILE[kind]
     if kind == "never-seen":
         text = never_seen(seed)
-    return {"queries": [{"query": text, "route": ROUTES[i % len(ROUTES)], "k": 10,
+    return {"queries": [{"query": text, "route": routes[i % len(routes)], "k": 10,
                          **({"filter": where} if where else {})}
                         for i in range(MAX_BATCH_QUERIES)]}
