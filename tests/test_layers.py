@@ -14,7 +14,7 @@ PACKAGES = ("service", "training", "loadtest")
 # lowest first; a module's layer is its longest matching prefix
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("service.errors", "service.deadline", "service.limits", "service.loopback",
-     "service.arguments"),
+     "service.arguments", "service.redaction", "service.extras"),
     ("service.runtime",),
     ("service.artifacts",),
     ("service.fanout",),
@@ -24,7 +24,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("service.scheduling",),
     ("service.api",),
     ("service.command", "service"),
-    ("training.device", "training.commands", "training.shipped", "training.progress"),
+    ("training.device", "training.commands", "training.shipped", "training.progress",
+     "training.library_noise"),
     ("training.data",),
     ("training.stage1_fanout",),
     ("training.stage2_synthesis",),

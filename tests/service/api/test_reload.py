@@ -223,3 +223,27 @@ def test_with_an_admin_port_the_admin_api_exists_there_only(settings_for):
         admin = f"http://127.0.0.1:{admin_port}"
         assert httpx.get(f"{admin}/admin/reload").status_code == 401
         assert httpx.get(f"{admin}/admin/reload", headers=AUTH).json()["state"] == "idle"
+
+
+def test_a_reload_whose_ranker_passes_its_checksum_but_does_not_load_is_refused(
+        reload_server, serving_bundle, tmp_path):
+    """A ranker stage of another service version (features it does not compute), checksummed:
+    the ranked route cannot load, and the served one is kept."""
+    from service.artifacts.bundle import sha256_file
+
+    target = tmp_path / "foreign-ranker"
+    shutil.copytree(serving_bundle, target)
+    config_path = target / "ranker" / "ranker.json"
+    config = json.loads(config_path.read_text())
+    config["features"] = ["a_feature_this_service_does_not_compute"]
+    config_path.write_text(json.dumps(config))
+    manifest = read_manifest(target)
+    manifest["files"]["ranker/ranker.json"] = {"sha256": sha256_file(config_path),
+                                               "bytes": config_path.stat().st_size}
+    write_manifest(target, manifest)
+    with reload_server.client() as client:
+        before = client.get("/v1/info").json()["served"]["bundle"]
+        response = client.post("/admin/reload", headers=AUTH,
+                               json={"bundle": str(target), "wait": True})
+        assert response.status_code == 422 and "ranked" in response.json()["error"]["message"]
+        assert client.get("/v1/info").json()["served"]["bundle"] == before
