@@ -4,6 +4,7 @@ index, eval, table, export, llm, synthesize and train; torch-free until one runs
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +111,18 @@ def cmd_bundle(args: argparse.Namespace) -> None:
     from training.pipeline import build_bundle
     from training.recipe import Recipe
 
-    presets = Recipe.for_preset(args.preset, args.init) if args.init else args.preset
-    build_bundle(args.bundle, _catalog_config(args), force=args.force, presets=presets,
+    catalog = _catalog_config(args)
+    ar = args.ar or bool(args.init) or catalog.source == WORDNET  # WordNet: the shipped policy
+    presets: str | Recipe = args.preset
+    if args.init or not ar:
+        presets = replace(Recipe.for_preset(args.preset, args.init), ar=ar)
+        if not ar and presets.synthesis.teacher == "folm":
+            raise InputError(f"the {args.preset} preset's stage 2 samples the fan-out LM: "
+                             "pass --ar to train it")
+    if not ar:
+        print("stage 1 (the fan-out LM for the ar route) is not built for this catalog: "
+              "--ar builds it (tens of minutes on 2 cores)", flush=True)
+    build_bundle(args.bundle, catalog, force=args.force, presets=presets,
                  use_shipped=not args.no_shipped)
 
 
@@ -244,6 +255,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "checkpoint folder (e.g. a Qwen3), a .gguf file or a package "
                              "shipping one (converted once into models/inits/) instead of "
                              "training a warm start")
+    bundle.add_argument("--ar", action="store_true",
+                        help="also train stage 1, the fan-out LM of the ar route (warm start, "
+                             "GRPO: tens of minutes on 2 cores); always for WordNet, whose "
+                             "shipped policy is adopted")
     bundle.add_argument("--no-shipped", action="store_true",
                         help="train stages 1-3 even where the shipped ones (models/shipped/) "
                              "match: what `make ship` regenerates them with")

@@ -65,10 +65,11 @@ def stage_keys(catalog: CatalogConfig, configs: Recipe | None = None) -> dict[st
         from training.stage2_synthesis.synthesis import block_context, synthesis_stage_config
         from training.stage3_diffusion.export import diffusion_stage_config
 
-        keys["folm-warmstart"] = init_key(Path(configs.init)) if configs.init else \
-            policy_stage_config(asdict(configs.warmstart),
-                                asdict(POLICY_PRESETS[configs.warmstart.preset]))
-        keys["folm"] = policy_stage_config(asdict(configs.grpo))
+        if configs.ar:
+            keys["folm-warmstart"] = init_key(Path(configs.init)) if configs.init else \
+                policy_stage_config(asdict(configs.warmstart),
+                                    asdict(POLICY_PRESETS[configs.warmstart.preset]))
+            keys["folm"] = policy_stage_config(asdict(configs.grpo))
         keys["synthesis"] = synthesis_stage_config(
             configs.synthesis, block_context(configs.synthesis, configs.diffusion.model.context),
             configs.diffusion.model.among)

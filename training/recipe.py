@@ -67,6 +67,9 @@ class Recipe:
     threads: int = 1  # torch threads of the exports and the denoiser's training
     # a local HF causal-LM checkpoint stage 1 starts from instead of the warm start it trains
     init: str | None = None
+    # stage 1, the fan-out LM (warm start, GRPO) for the `ar` route: tens of minutes on 2
+    # cores; `r4t bundle` builds it for WordNet (its shipped policy is adopted) or with --ar
+    ar: bool = True
 
     @classmethod
     def for_preset(cls, preset: str = "cpu", init: str | Path | None = None) -> Recipe:

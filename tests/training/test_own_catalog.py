@@ -82,7 +82,8 @@ def test_the_readme_commands_build_evaluate_and_serve_my_catalog(own, capsys) ->
     assert "catalog: current" in out and "benchmark: current" in out  # my catalog, kept
     manifest = read_manifest(own / BUNDLE)
     assert manifest["config"]["source"] == "my.jsonl"
-    assert {"folm", "diffusion"} <= set(manifest["stages"])
+    assert "diffusion" in manifest["stages"] and "folm" not in manifest["stages"]  # no --ar
+    assert "--ar builds it" in out
     code, out = run_r4t(evaluation, own, capsys)
     assert code == 0
     assert all((own / BUNDLE / "eval" / f"{m}-val.json").is_file()
