@@ -4,6 +4,7 @@ index, eval, table, export, llm, synthesize and train; torch-free until one runs
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,8 @@ def cmd_bundle(args: argparse.Namespace) -> None:
     from training.recipe import Recipe
 
     catalog = _catalog_config(args)
-    ar = args.ar or bool(args.init) or catalog.source == WORDNET  # WordNet: the shipped policy
+    # WordNet: the shipped policy is adopted; a bundle that has stage 1 keeps it current
+    ar = args.ar or bool(args.init) or catalog.source == WORDNET or has_stage(args.bundle, "folm")
     presets: str | Recipe = args.preset
     if args.init or not ar:
         presets = replace(Recipe.for_preset(args.preset, args.init), ar=ar)
@@ -124,6 +126,14 @@ def cmd_bundle(args: argparse.Namespace) -> None:
               "--ar builds it (tens of minutes on 2 cores)", flush=True)
     build_bundle(args.bundle, catalog, force=args.force, presets=presets,
                  use_shipped=not args.no_shipped)
+
+
+def has_stage(bundle: Path, name: str) -> bool:
+    """Whether the bundle's manifest records stage `name` (False without a manifest)."""
+    from service.artifacts.bundle import MANIFEST
+
+    path = bundle / MANIFEST
+    return path.is_file() and name in json.loads(path.read_text()).get("stages", {})
 
 
 def cmd_ship(args: argparse.Namespace) -> None:
