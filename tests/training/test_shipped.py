@@ -11,7 +11,7 @@ import pytest
 
 from service.artifacts.bundle import config_hash, sha256_file, verify_bundle
 from training import builders
-from training.evaluation.regression import CHECKED, METRICS, regressions
+from training.evaluation.regression import CHECKED, MARGIN, METRICS, below_hybrid, regressions
 from training.pipeline import CatalogConfig, build_bundle, stage_keys
 from training.recipe import Recipe
 from training.shipped import SHIPPED_PRESET, SHIPPED_STAGES, ShippedStages
@@ -79,3 +79,4 @@ def test_served_routes_still_reach_the_val_figures_they_were_shipped_with(adopte
               for method, per in measured.items() for metric, r in per.items() if not r["ok"]}
     assert not failed, f"now vs shipped, tolerance {figures['tolerance']}: {failed}"
     assert all(set(per) == set(METRICS) for per in measured.values())
+    assert not below_hybrid(measured), f"leads over hybrid below {MARGIN}"
