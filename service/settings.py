@@ -240,6 +240,8 @@ class Settings(BaseSettings):
         if self.max_wait_ms >= self.admit_wait_fraction * self.request_timeout_ms:
             raise ValueError("max_wait_ms must be below admit_wait_fraction x "
                              "request_timeout_ms, or every request would be refused")
+        if self.admin_port is not None and self.admin_port == self.port:
+            raise ValueError("admin_port must differ from port (it is the admin API's own)")
         return self
 
     def route_weights(self, recorded: str | None = None) -> dict[str, float]:

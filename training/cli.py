@@ -4,7 +4,6 @@ index, eval, table, export, llm, synthesize and train; torch-free until one runs
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -130,10 +129,9 @@ def cmd_bundle(args: argparse.Namespace) -> None:
 
 def has_stage(bundle: Path, name: str) -> bool:
     """Whether the bundle's manifest records stage `name` (False without a manifest)."""
-    from service.artifacts.bundle import MANIFEST
+    from service.artifacts.bundle import MANIFEST, read_manifest
 
-    path = bundle / MANIFEST
-    return path.is_file() and name in json.loads(path.read_text()).get("stages", {})
+    return (bundle / MANIFEST).is_file() and name in read_manifest(bundle).get("stages", {})
 
 
 def cmd_ship(args: argparse.Namespace) -> None:

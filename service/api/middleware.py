@@ -268,16 +268,9 @@ def _replay_messages(messages: list[Message], receive: Receive) -> Receive:
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()  # later calls wait for the disconnect, as usual
-
-    return replay
+    """`receive` that returns the whole `body` first (later calls wait for the disconnect)."""
+    return _replay_messages([{"type": "http.request", "body": body, "more_body": False}],
+                            receive)
 
 
 async def _refuse(

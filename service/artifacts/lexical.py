@@ -77,9 +77,6 @@ class FtsTokenizer:
         self._db.execute("CREATE VIRTUAL TABLE v USING fts5vocab(q, instance)")
         self._cache: LRUCache[str, tuple[str, ...]] = LRUCache(cache_size)
 
-    def tokens(self, word: str) -> tuple[str, ...]:
-        return self.tokens_of([word])[0]
-
     def tokens_of(self, words: Sequence[str]) -> list[tuple[str, ...]]:
         """Each word's FTS5 tokens."""
         with self._lock:

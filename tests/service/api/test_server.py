@@ -155,3 +155,8 @@ def test_work_still_open_when_the_grace_ends_gets_a_503_not_a_dropped_connection
         held.release()
         assert answer.status_code == 503 and "closed" in answer.text
         assert process.wait(timeout=WAIT_S) == 0
+
+
+def test_an_admin_port_equal_to_the_public_one_is_refused_at_start():
+    with pytest.raises(InputError, match="admin_port must differ from port"):
+        settings_from({"port": 9001, "admin_port": 9001})
