@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -344,6 +344,8 @@ class Bundle:
     items: ItemStore
     index: VectorIndex
     lexical: LexicalIndex | None = None  # the catalog's BM25 index, when the bundle has one
+    # what readers compute once per bundle from its files (service.fanout.words), dropped with it
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def name(self) -> str:

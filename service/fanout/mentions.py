@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import threading
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import cachetools
@@ -25,7 +24,7 @@ from cachetools import LRUCache
 from service.artifacts.bundle import Bundle
 from service.artifacts.lexical import MAX_QUERY_WORDS, WORD, LexicalIndex
 from service.fanout.candidates import Candidates
-from service.fanout.format import item_name
+from service.fanout.words import ItemWords
 
 FEATURES = (
     "similarity",  # cos(query, item)
@@ -47,8 +46,9 @@ CATEGORICAL = ("word_before_mention", "word_after_mention")
 NO_MENTION, START, END = "<none>", "<start>", "<end>"  # the neighbours of no, a first, a last word
 ABSENT_RANK = 99.0
 EARLY = 3  # "a portable shelter": the genus sits in a gloss's first words
+# ItemWords' ids of the specials, before its vocabulary (offset by SPECIAL in the word tables)
+NONE_ID, END_ID, START_ID, SPECIAL = -3, -2, -1, 3
 MENTION_BYTES = 16 << 20  # the mention lists kept (a batch's, and repeats), by their bytes
-ROW_CACHE = 1 << 17  # items whose parts and name fan-in are kept (features are per item)
 
 
 @dataclass(frozen=True)
@@ -90,12 +90,7 @@ class MentionFeatures:
         self.hybrid = Candidates.of(bundle, "hybrid")
         self.texts, self.embeddings, self.sizes = bundle.items.texts, bundle.items.embeddings, sizes
         self.words = words
-        # per-item caches over functions that do not hold `self`: a cache holding its owner
-        # is a reference cycle, which would keep a retired bundle until a full collection
-        self.name_fanin = functools.lru_cache(maxsize=ROW_CACHE)(
-            functools.partial(name_fanin, self.lexical, self.texts))
-        self.parts = functools.lru_cache(maxsize=ROW_CACHE)(
-            functools.partial(item_parts, self.lexical, self.texts))
+        self.item_words = ItemWords.of(bundle)
         # a query's mentions, read once for its candidates and once for its features; keyed
         # on its searched tokens ("Dogs!" is "dog"), bounded by bytes (a broad word's are long)
         self._mentions = cachetools.cached(
@@ -124,37 +119,84 @@ class MentionFeatures:
     def features(self, text: str, query: np.ndarray, rows: np.ndarray,
                  hybrid: int) -> np.ndarray:
         """(C, F) float32 for one query's candidate rows, the first `hybrid` of them its
-        hybrid list in order."""
-        asked = self.tokens(text)
-        searched = frozenset(asked)  # read per description word of every candidate
-        mentioned = np.isin(rows, self.mentions(text))  # (C,)
-        similarity = self.embeddings[rows] @ query  # (C,)
+        hybrid list in order: the item side read from `ItemWords` for all rows at once."""
+        asked = self.item_words.ids(self.tokens(text))  # (Q,) with repeats, in order
+        searched = asked[asked >= 0]  # the ones an item can hold
+        position = self._positions(rows, searched)  # (C,) -1: no mention
+        names, owner, at = self.item_words.names.gather(rows)  # (T',) each
+        name_sizes = self.item_words.names.lengths(rows)  # (C,)
+        held = np.bincount(owner[np.isin(names, searched)], minlength=len(rows)) > 0  # (C,)
+        last = np.full(len(rows), -1, dtype=np.int64)  # each name's last token
+        is_last = at == name_sizes[owner] - 1
+        last[owner[is_last]] = names[is_last]
+        listed = np.arange(len(rows)) < hybrid
+        columns = {
+            "similarity": self.embeddings[rows] @ query,
+            "hybrid_rank": np.where(listed, np.arange(len(rows)), ABSENT_RANK),
+            "mentions": np.isin(rows, self.mentions(text)),
+            "mention_position": np.where(position >= 0, position, ABSENT_RANK),
+            "early_mention": (position >= 0) & (position < EARLY),
+            "log_name_fanin": np.log1p(self.item_words.fanin[rows]),
+            "name_words": name_sizes,
+            "name_holds_query": held,
+            "head_match": (len(asked) > 0) & (last >= 0) & (last == (asked[-1] if len(asked)
+                                                                      else -1)),
+            "text_words": self.item_words.sizes[rows],
+        }
+        before, after = self._word_ids(rows, position, len(asked))
         table = np.empty((len(rows), len(FEATURES)), dtype=np.float32)
-        for j, row in enumerate(rows.tolist()):
-            table[j] = self._row(row, j, asked, searched, bool(mentioned[j]),
-                                 float(similarity[j]), j < hybrid)
+        for j, column in enumerate([*columns.values(), before, after]):
+            table[:, j] = column
         return table
 
-    def _row(self, row: int, rank: int, asked: list[str], searched: frozenset[str],
-             mentions: bool, similarity: float, listed: bool) -> list[float]:
-        name, described, size = self.parts(row)
-        position = mention_position(described, searched)
-        return [similarity, rank if listed else ABSENT_RANK, float(mentions),
-                ABSENT_RANK if position is None else position,
-                float(position is not None and position < EARLY),
-                math.log1p(self.name_fanin(row)), len(name), float(bool(searched & set(name))),
-                float(bool(name) and bool(asked) and name[-1] == asked[-1]), size,
-                *self.words.ids(*neighbours(described, asked, position))]
+    def _positions(self, rows: np.ndarray, searched: np.ndarray) -> np.ndarray:
+        """(C,) the first word of each row's description that is a query word, -1: none."""
+        described, owner, at = self.item_words.described.gather(rows)  # (T',) each
+        hit = np.flatnonzero(np.isin(described, searched))  # ascending: by row, then position
+        position = np.full(len(rows), -1, dtype=np.int64)
+        owners, first = np.unique(owner[hit], return_index=True)
+        position[owners] = at[hit[first]]
+        return position
+
+    def _neighbour_ids(self, rows: np.ndarray, position: np.ndarray, asked: int
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """(C,) token ids before and after each row's mention spanning `asked` tokens:
+        NONE_ID without a mention, START_ID/END_ID past the description's ends."""
+        described = self.item_words.described
+        starts, sizes = described.offsets[rows], described.lengths(rows)  # (C,) each
+        after = position + asked
+
+        def token(index: np.ndarray, inside: np.ndarray, outside: int) -> np.ndarray:
+            at = np.where(inside, starts + index, 0)  # any valid index where unused
+            return np.where(inside, described.values[at], outside)
+
+        mentioned = position >= 0
+        before = token(position - 1, position > 0, START_ID)
+        later = token(after, mentioned & (after < sizes), END_ID)
+        return np.where(mentioned, before, NONE_ID), np.where(mentioned, later, NONE_ID)
+
+    def _word_ids(self, rows: np.ndarray, position: np.ndarray, asked: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        """(C,) the ranker's ids (MentionWords) of the words either side of each mention."""
+        before, after = self._neighbour_ids(rows, position, asked)
+        first, second = self._word_tables
+        return first[before + SPECIAL], second[after + SPECIAL]
+
+    @functools.cached_property
+    def _word_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """(SPECIAL + V,) the ranker's id of every token (and of the three specials), per side."""
+        tokens = (NO_MENTION, END, START, *self.item_words.tokens)  # ids -3, -2, -1, 0, ...
+        pairs = [self.words.ids(t, t) for t in tokens]
+        return (np.array([p[0] for p in pairs], dtype=np.float32),
+                np.array([p[1] for p in pairs], dtype=np.float32))
 
     def neighbours(self, text: str, rows: np.ndarray) -> list[tuple[str, str]]:
         """Per candidate row, the description's words before and after the query's mention."""
-        asked = self.tokens(text)
-        searched = frozenset(asked)
-        out = []
-        for row in rows.tolist():
-            described = self.parts(row)[1]
-            out.append(neighbours(described, asked, mention_position(described, searched)))
-        return out
+        asked = self.item_words.ids(self.tokens(text))
+        position = self._positions(rows, asked[asked >= 0])
+        tokens = (NO_MENTION, END, START, *self.item_words.tokens)
+        return [(tokens[b + SPECIAL], tokens[a + SPECIAL])
+                for b, a in zip(*self._neighbour_ids(rows, position, len(asked)), strict=True)]
 
     def tokens(self, text: str) -> list[str]:
         """The query's index tokens, of its first MAX_QUERY_WORDS words."""
@@ -165,22 +207,8 @@ class MentionFeatures:
         ranker learns its words from the rows of the features it then computes with them."""
         shared = copy.copy(self)
         shared.words = words
+        shared.__dict__.pop("_word_tables", None)  # the old words' ids
         return shared
-
-
-def mention_position(described: tuple[str, ...], searched: Container[str]) -> int | None:
-    """The first word of a description that is a query word, or None."""
-    return next((i for i, t in enumerate(described) if t in searched), None)
-
-
-def neighbours(described: tuple[str, ...], asked: list[str], position: int | None
-               ) -> tuple[str, str]:
-    """The words before and after a mention at `position` spanning the query's length."""
-    if position is None:
-        return NO_MENTION, NO_MENTION
-    after = position + len(asked)
-    return (described[position - 1] if position else START,
-            described[after] if after < len(described) else END)
 
 
 def index_tokens(lexical: LexicalIndex, text: str, limit: int | None = None) -> list[str]:
@@ -188,19 +216,3 @@ def index_tokens(lexical: LexicalIndex, text: str, limit: int | None = None) -> 
     index's stemming)."""
     found = WORD.findall(text.lower())[:limit]
     return [t for tokens in lexical.tokenizer.tokens_of(found) for t in tokens]
-
-
-def item_parts(lexical: LexicalIndex, texts: Sequence[str], row: int
-               ) -> tuple[tuple[str, ...], tuple[str, ...], int]:
-    """An item's name tokens, its description's tokens (after the first colon, else the
-    whole text) and its text's token count: per item, not per query."""
-    text = texts[row]
-    _, colon, gloss = text.partition(":")
-    described = index_tokens(lexical, gloss if colon else text)
-    return (tuple(index_tokens(lexical, item_name(text))), tuple(described),
-            len(index_tokens(lexical, text)))
-
-
-def name_fanin(lexical: LexicalIndex, texts: Sequence[str], row: int) -> int:
-    """Texts holding the item's name: how category-like it is."""
-    return lexical.breadth(item_name(texts[row]))

@@ -23,7 +23,6 @@ from service.fanout.mentions import (
     CandidateSizes,
     MentionFeatures,
     MentionWords,
-    neighbours,
 )
 from service.fanout.ranker import (
     RANKER_CONFIG,
@@ -91,17 +90,6 @@ def test_candidates_hold_the_hybrid_list_then_every_mention_and_features_say_so(
     assert np.allclose(column["similarity"], bundle.items.embeddings[rows] @ query[0], atol=1e-5)
 
 
-def test_the_words_around_a_mention_are_ids_in_the_learned_vocabulary():
-    described = ("a", "hunt", "dog", "of", "britain")
-    assert neighbours(described, ["dog"], 2) == ("hunt", "of")
-    assert neighbours(described, ["a"], 0) == (START, "hunt")
-    assert neighbours(described, ["dog", "of", "britain"], 2) == ("hunt", END)
-    assert neighbours(described, ["cat"], None) == (NO_MENTION, NO_MENTION)
-    words = MentionWords(before=("hunt", NO_MENTION), after=("of",))
-    assert words.ids("hunt", "of") == (0.0, 0.0)
-    assert words.ids(NO_MENTION, "britain") == (1.0, 1.0)  # an unknown word: one past the end
-    assert words.ids("the", NO_MENTION) == (2.0, 1.0)
-
 
 def test_served_features_carry_the_words_either_side_of_each_mention(bundle):
     text = "tree"
@@ -127,7 +115,7 @@ def test_scorers_share_features_only_when_they_read_the_same_words(bundle):
     plain = MentionFeatures(bundle)
     worded = plain.with_words(words)
     assert worded.words == words and plain.words == MentionWords()
-    assert worded.parts is plain.parts  # one per-item cache, the items read once
+    assert worded.item_words is plain.item_words  # the items read once per bundle
     ranker = Ranker(RankerConfig(model=None, words=words))
     assert ScoredCandidates(bundle, ranker, worded).features is worded
     with pytest.raises(ValueError, match="sizes and words"):
