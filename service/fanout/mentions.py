@@ -48,6 +48,7 @@ ABSENT_RANK = 99.0
 EARLY = 3  # "a portable shelter": the genus sits in a gloss's first words
 # ItemWords' ids of the specials, before its vocabulary (offset by SPECIAL in the word tables)
 NONE_ID, END_ID, START_ID, SPECIAL = -3, -2, -1, 3
+NO_TOKEN = np.iinfo(np.int64).min  # the last token of an empty query: equal to none
 MENTION_BYTES = 16 << 20  # the mention lists kept (a batch's, and repeats), by their bytes
 
 
@@ -77,6 +78,60 @@ class CandidateSizes:
 
     hybrid: int = 50
     mentions: int = 300
+
+
+@dataclass(frozen=True)
+class CandidateBatch:
+    """A batch's candidate lists end to end: each row's catalog row, query, rank in its list
+    and whether it came from the query's hybrid list."""
+
+    rows: np.ndarray  # (N,) int64
+    owner: np.ndarray  # (N,) int64 index of its query
+    rank: np.ndarray  # (N,) int64
+    listed: np.ndarray  # (N,) bool
+
+    @classmethod
+    def of(cls, found: Sequence[tuple[np.ndarray, int]]) -> CandidateBatch:
+        sizes = np.array([len(rows) for rows, _ in found], dtype=np.int64)
+        owner = np.repeat(np.arange(len(found)), sizes)
+        rank = np.arange(int(sizes.sum())) - np.concatenate([[0], np.cumsum(sizes)[:-1]])[owner]
+        hybrid = np.array([listed for _, listed in found], dtype=np.int64)
+        rows = np.concatenate([rows for rows, _ in found] or [np.zeros(0, dtype=np.int64)])
+        return cls(rows.astype(np.int64), owner, rank, rank < hybrid[owner])
+
+
+@dataclass(frozen=True)
+class AskedTokens:
+    """A batch's queries' tokens as ItemWords ids: their count, last id and the ones an item
+    can hold (Q, W), padded with NO_TOKEN."""
+
+    sizes: np.ndarray  # (Q,) tokens per query, repeats kept
+    last: np.ndarray  # (Q,) each query's last token, NO_TOKEN for an empty query
+    searched: np.ndarray  # (Q, W) int64
+
+    @classmethod
+    def of(cls, ids: Sequence[np.ndarray]) -> AskedTokens:
+        sizes = np.array([len(a) for a in ids], dtype=np.int64)
+        last = np.array([a[-1] if len(a) else NO_TOKEN for a in ids], dtype=np.int64)
+        held = [np.unique(a[a >= 0]) for a in ids]
+        searched = np.full((len(ids), max([len(h) for h in held], default=0)), NO_TOKEN)
+        for q, h in enumerate(held):
+            searched[q, : len(h)] = h
+        return cls(sizes, last, searched)
+
+    def holds(self, owner: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """(T,) whether each item token (T,) is a token of its query `owner` (T,): one
+        comparison per query word, a batch's longest query's count (a few, not a sort)."""
+        found = np.zeros(len(tokens), dtype=bool)
+        for column in self.searched.T:  # (Q,)
+            found |= tokens == column[owner]
+        return found
+
+
+def sorted_holds(keys: np.ndarray, probes: np.ndarray) -> np.ndarray:
+    """(P,) whether each probe is among the ascending `keys`: a binary search, not a sort."""
+    at = np.minimum(np.searchsorted(keys, probes), max(len(keys) - 1, 0))
+    return keys[at] == probes if len(keys) else np.zeros(len(probes), dtype=bool)
 
 
 class MentionFeatures:
@@ -119,52 +174,66 @@ class MentionFeatures:
     def features(self, text: str, query: np.ndarray, rows: np.ndarray,
                  hybrid: int) -> np.ndarray:
         """(C, F) float32 for one query's candidate rows, the first `hybrid` of them its
-        hybrid list in order: the item side read from `ItemWords` for all rows at once."""
-        asked = self.item_words.ids(self.tokens(text))  # (Q,) with repeats, in order
-        searched = asked[asked >= 0]  # the ones an item can hold
-        position = self._positions(rows, searched)  # (C,) -1: no mention
-        names, owner, at = self.item_words.names.gather(rows)  # (T',) each
-        name_sizes = self.item_words.names.lengths(rows)  # (C,)
-        held = np.bincount(owner[np.isin(names, searched)], minlength=len(rows)) > 0  # (C,)
-        last = np.full(len(rows), -1, dtype=np.int64)  # each name's last token
-        is_last = at == name_sizes[owner] - 1
-        last[owner[is_last]] = names[is_last]
-        listed = np.arange(len(rows)) < hybrid
+        hybrid list in order."""
+        return self.table([text], query[None], [(rows, hybrid)])
+
+    def table(self, texts: Sequence[str], queries: np.ndarray,
+              found: Sequence[tuple[np.ndarray, int]]) -> np.ndarray:
+        """(ΣC, F) float32: the feature rows of a batch's candidates (`candidates`' output for
+        texts and embeddings (Q, d)), query after query, read for the whole batch at once."""
+        batch = CandidateBatch.of(found)
+        rows, owner = batch.rows, batch.owner
+        asked = self._asked(texts)
+        position = self._positions(batch, asked)  # (N,) -1: no mention
+        names, name_of, at = self.item_words.names.gather(rows)  # (T',) each
+        name_sizes = self.item_words.names.lengths(rows)  # (N,)
+        held = asked.holds(owner[name_of], names)  # (T',)
+        last = np.full(len(rows), NONE_ID, dtype=np.int64)  # each name's last token
+        is_last = at == name_sizes[name_of] - 1
+        last[name_of[is_last]] = names[is_last]
+        mentioned = [self.mentions(text) for text in texts]
         columns = {
-            "similarity": self.embeddings[rows] @ query,
-            "hybrid_rank": np.where(listed, np.arange(len(rows)), ABSENT_RANK),
-            "mentions": np.isin(rows, self.mentions(text)),
+            "similarity": np.concatenate([self.embeddings[r] @ q for (r, _), q in  # as served
+                                          zip(found, queries, strict=True)] or [[]]),
+            "hybrid_rank": np.where(batch.listed, batch.rank, ABSENT_RANK),
+            "mentions": sorted_holds(np.concatenate(  # ascending: queries', then rows
+                [q * len(self.texts) + m for q, m in enumerate(mentioned)] or [[]]),
+                owner * len(self.texts) + rows),
             "mention_position": np.where(position >= 0, position, ABSENT_RANK),
             "early_mention": (position >= 0) & (position < EARLY),
             "log_name_fanin": np.log1p(self.item_words.fanin[rows]),
             "name_words": name_sizes,
-            "name_holds_query": held,
-            "head_match": (len(asked) > 0) & (last >= 0) & (last == (asked[-1] if len(asked)
-                                                                      else -1)),
+            "name_holds_query": np.bincount(name_of[held], minlength=len(rows)) > 0,
+            "head_match": (last >= 0) & (last == asked.last[owner]),
             "text_words": self.item_words.sizes[rows],
         }
-        before, after = self._word_ids(rows, position, len(asked))
+        before, after = self._word_ids(batch, position, asked)
         table = np.empty((len(rows), len(FEATURES)), dtype=np.float32)
         for j, column in enumerate([*columns.values(), before, after]):
             table[:, j] = column
         return table
 
-    def _positions(self, rows: np.ndarray, searched: np.ndarray) -> np.ndarray:
-        """(C,) the first word of each row's description that is a query word, -1: none."""
-        described, owner, at = self.item_words.described.gather(rows)  # (T',) each
-        hit = np.flatnonzero(np.isin(described, searched))  # ascending: by row, then position
-        position = np.full(len(rows), -1, dtype=np.int64)
-        owners, first = np.unique(owner[hit], return_index=True)
-        position[owners] = at[hit[first]]
+    def _asked(self, texts: Sequence[str]) -> AskedTokens:
+        return AskedTokens.of([self.item_words.ids(self.tokens(t)) for t in texts])
+
+    def _positions(self, batch: CandidateBatch, asked: AskedTokens) -> np.ndarray:
+        """(N,) the first word of each row's description that is a word of its query, -1:
+        none."""
+        described, row_of, at = self.item_words.described.gather(batch.rows)  # (T',) each
+        hit = np.flatnonzero(asked.holds(batch.owner[row_of], described))  # by row, position
+        position = np.full(len(batch.rows), -1, dtype=np.int64)
+        hit_rows = row_of[hit]  # ascending
+        first = np.flatnonzero(np.r_[True, hit_rows[1:] != hit_rows[:-1]]) if len(hit) else hit
+        position[hit_rows[first]] = at[hit[first]]
         return position
 
-    def _neighbour_ids(self, rows: np.ndarray, position: np.ndarray, asked: int
+    def _neighbour_ids(self, batch: CandidateBatch, position: np.ndarray, asked: AskedTokens
                        ) -> tuple[np.ndarray, np.ndarray]:
-        """(C,) token ids before and after each row's mention spanning `asked` tokens:
+        """(N,) token ids before and after each row's mention spanning its query's tokens:
         NONE_ID without a mention, START_ID/END_ID past the description's ends."""
         described = self.item_words.described
-        starts, sizes = described.offsets[rows], described.lengths(rows)  # (C,) each
-        after = position + asked
+        starts, sizes = described.offsets[batch.rows], described.lengths(batch.rows)  # (N,)
+        after = position + asked.sizes[batch.owner]
 
         def token(index: np.ndarray, inside: np.ndarray, outside: int) -> np.ndarray:
             at = np.where(inside, starts + index, 0)  # any valid index where unused
@@ -175,10 +244,10 @@ class MentionFeatures:
         later = token(after, mentioned & (after < sizes), END_ID)
         return np.where(mentioned, before, NONE_ID), np.where(mentioned, later, NONE_ID)
 
-    def _word_ids(self, rows: np.ndarray, position: np.ndarray, asked: int
+    def _word_ids(self, batch: CandidateBatch, position: np.ndarray, asked: AskedTokens
                   ) -> tuple[np.ndarray, np.ndarray]:
-        """(C,) the ranker's ids (MentionWords) of the words either side of each mention."""
-        before, after = self._neighbour_ids(rows, position, asked)
+        """(N,) the ranker's ids (MentionWords) of the words either side of each mention."""
+        before, after = self._neighbour_ids(batch, position, asked)
         first, second = self._word_tables
         return first[before + SPECIAL], second[after + SPECIAL]
 
@@ -192,11 +261,11 @@ class MentionFeatures:
 
     def neighbours(self, text: str, rows: np.ndarray) -> list[tuple[str, str]]:
         """Per candidate row, the description's words before and after the query's mention."""
-        asked = self.item_words.ids(self.tokens(text))
-        position = self._positions(rows, asked[asked >= 0])
+        batch, asked = CandidateBatch.of([(rows, 0)]), self._asked([text])
+        position = self._positions(batch, asked)
         tokens = (NO_MENTION, END, START, *self.item_words.tokens)
         return [(tokens[b + SPECIAL], tokens[a + SPECIAL])
-                for b, a in zip(*self._neighbour_ids(rows, position, len(asked)), strict=True)]
+                for b, a in zip(*self._neighbour_ids(batch, position, asked), strict=True)]
 
     def tokens(self, text: str) -> list[str]:
         """The query's index tokens, of its first MAX_QUERY_WORDS words."""

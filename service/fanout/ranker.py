@@ -5,13 +5,13 @@ picked) times `redundancy`: a set spread over a query's branches, not its best t
 The scorer is the bundle's `ranker` stage: a LightGBM lambdarank model trained on the labeled
 train queries (training/stage1_fanout/ranker.py), or, for a catalog whose benchmark has no
 labels, the label-free mention order (an early mention of the query, then similarity).
-LightGBM is used as is: a well-kept ranker whose text model file any version reads.
+LightGBM trains it (a well-kept ranker whose text model file any version reads); lleaves
+compiles that file for serving (service.fanout.booster).
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,11 +21,14 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle, listed_file
 from service.errors import BundleError
+from service.fanout.booster import Booster, load_booster
 from service.fanout.mentions import FEATURES, CandidateSizes, MentionFeatures, MentionWords
 
 RANKER_DIR = "ranker"
 RANKER_CONFIG = "ranker.json"
 RANKER_MODEL = "model.txt"
+CHUNK = 256  # queries whose contenders are padded into one array by choose_each
+SLACK = 1e-6  # a cosine of unit rows in float32 can pass 1 by rounding
 LABEL_FREE_WEIGHT = 5.0  # the label-free order: −position + this × similarity
 
 
@@ -54,13 +57,12 @@ class RankerConfig:
 class Ranker:
     """Candidate scores from features (C, F), and the greedy set choice over them."""
 
-    def __init__(self, config: RankerConfig, booster: Any | None = None) -> None:
+    def __init__(self, config: RankerConfig, booster: Booster | None = None) -> None:
         if config.features != FEATURES:
             raise BundleError(f"the ranker was trained on features {list(config.features)}, "
                               f"this service computes {list(FEATURES)}: `r4t --bundle BUNDLE "
                               "catalog` rebuilds it (`make serve` does)")
         self.config, self.booster = config, booster
-        self._lock = threading.Lock()  # one LightGBM prediction at a time per model
 
     @classmethod
     def load(cls, directory: Path, manifest: dict[str, Any] | None = None) -> Ranker:
@@ -73,15 +75,9 @@ class Ranker:
         config = RankerConfig.from_dict(json.loads(path.read_text()))
         if config.model is None:
             return cls(config)
-        try:
-            import lightgbm
-        except OSError as exc:  # its wheel's shared library needs one the system lacks
-            raise ImportError(f"lightgbm cannot load its library ({exc}): install the system's "
-                              "OpenMP runtime (Debian: libgomp1)") from exc
-        # an ImportError leaves the route out, as a missing runtime does
         model = directory / config.model if manifest is None else listed_file(
             directory.parent, manifest, f"{directory.name}/{config.model}")
-        return cls(config, lightgbm.Booster(model_file=str(model)))
+        return cls(config, load_booster(model))  # an ImportError leaves the route out
 
     def score(self, features: np.ndarray) -> np.ndarray:
         """(C,) higher is better, for features (C, F)."""
@@ -89,21 +85,56 @@ class Ranker:
             position = features[:, FEATURES.index("mention_position")]
             similarity = features[:, FEATURES.index("similarity")]
             return -position + LABEL_FREE_WEIGHT * similarity
-        with self._lock:
-            return np.asarray(self.booster.predict(features, num_threads=1), dtype=np.float64)
+        return self.booster.predict(features)
 
     def choose(self, scores: np.ndarray, embeddings: np.ndarray, k: int) -> list[int]:
         """Positions of k candidates (embeddings (C, d) unit rows), picked greedily by score
         minus redundancy × the highest cosine to the picks so far."""
-        redundancy = np.zeros(len(scores))  # (C,)
-        chosen: list[int] = []
-        for _ in range(min(k, len(scores))):
-            value = scores - self.config.redundancy * redundancy
-            value[chosen] = -np.inf
-            best = int(np.argmax(value))
-            chosen.append(best)
-            redundancy = np.maximum(redundancy, embeddings @ embeddings[best])
-        return chosen
+        [chosen] = self.choose_each([scores], [embeddings], [k])
+        return chosen.tolist()
+
+    def choose_each(self, scores: Sequence[np.ndarray], embeddings: Sequence[np.ndarray],
+                    ks: Sequence[int]) -> list[np.ndarray]:
+        """`choose` for a batch's queries (scores (C,) and embeddings (C, d) each), the greedy
+        steps taken for all of them at once, CHUNK queries at a time."""
+        out: list[np.ndarray] = []
+        for start in range(0, len(scores), CHUNK):
+            end = start + CHUNK
+            out += self._greedy(scores[start:end], embeddings[start:end], ks[start:end])
+        return out
+
+    def _greedy(self, scores: Sequence[np.ndarray], embeddings: Sequence[np.ndarray],
+                ks: Sequence[int]) -> list[np.ndarray]:
+        """Each query's candidates that can be picked (`contenders`), padded to (B, C), then
+        the k greedy steps over the batch."""
+        weight = self.config.redundancy
+        kept = [contenders(s, min(k, len(s)), weight) for s, k in zip(scores, ks, strict=True)]
+        width = max((len(c) for c in kept), default=0)
+        value = np.full((len(kept), width), -np.inf)  # (B, C)
+        vectors = np.zeros((len(kept), width, embeddings[0].shape[1] if kept else 0),
+                           dtype=np.float32)  # (B, C, d)
+        for i, c in enumerate(kept):
+            value[i, : len(c)], vectors[i, : len(c)] = scores[i][c], embeddings[i][c]
+        steps = np.array([min(k, len(s)) for s, k in zip(scores, ks, strict=True)])  # (B,)
+        redundancy = np.zeros_like(value)  # (B, C)
+        chosen = np.zeros((len(kept), int(steps.max(initial=0))), dtype=np.int64)  # (B, k)
+        every = np.arange(len(kept))
+        for step in range(chosen.shape[1]):
+            best = np.argmax(value - weight * redundancy, axis=1)  # (B,)
+            chosen[:, step] = best
+            value[every, best] = -np.inf
+            near = np.matmul(vectors, vectors[every, best][:, :, None])[:, :, 0]  # (B, C)
+            redundancy = np.maximum(redundancy, near)
+        return [c[chosen[i, : steps[i]]] for i, c in enumerate(kept)]
+
+
+def contenders(scores: np.ndarray, k: int, weight: float) -> np.ndarray:
+    """Positions (ascending) of the candidates a greedy choice of k can pick: a cosine lowers a
+    score by at most `weight`, so one scoring below the k-th best minus `weight` never leads."""
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    floor = np.partition(scores, len(scores) - k)[len(scores) - k] - abs(weight) - SLACK
+    return np.flatnonzero(scores >= floor)
 
 
 class ScoredCandidates:
@@ -128,12 +159,10 @@ class ScoredCandidates:
         """Per query (texts, embeddings (Q, d)): its candidate rows (C,) and scores (C,), the
         batch's rows scored in one call of the model."""
         found = self.features.candidates(texts, queries)
-        tables = [self.features.features(text, query, rows, listed)
-                  for text, query, (rows, listed) in zip(texts, queries, found, strict=True)]
-        if not tables:
+        if not found:
             return []
-        scores = self.ranker.score(np.concatenate(tables))  # (ΣC,)
-        bounds = np.cumsum([len(t) for t in tables])[:-1]
+        scores = self.ranker.score(self.features.table(texts, queries, found))  # (ΣC,)
+        bounds = np.cumsum([len(rows) for rows, _ in found])[:-1]
         return [(rows, part) for (rows, _), part in zip(found, np.split(scores, bounds),
                                                          strict=True)]
 

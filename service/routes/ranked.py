@@ -33,6 +33,7 @@ class RankedRoute(PickingRoute):
 
     def choose(self, texts: Sequence[str], queries: np.ndarray, ks: Sequence[int]
                ) -> list[np.ndarray]:
-        embeddings = self.bundle.items.embeddings
-        return [rows[self.ranker.choose(scores, embeddings[rows], k)]
-                for k, (rows, scores) in zip(ks, self.scored(texts, queries), strict=True)]
+        embeddings, scored = self.bundle.items.embeddings, self.scored(texts, queries)
+        picks = self.ranker.choose_each([s for _, s in scored],
+                                        [embeddings[rows] for rows, _ in scored], ks)
+        return [rows[p] for (rows, _), p in zip(scored, picks, strict=True)]

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
 from service.errors import InputError
+from service.fanout.booster import LightGBMBooster
 from service.fanout.mentions import CandidateSizes, MentionFeatures
 from service.fanout.ranker import Ranker
 from service.routes.ranked import RankedRoute
@@ -76,7 +77,7 @@ def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHA
                      baseline=False, report=False, features=features)
         best = max(tried, key=tried.__getitem__)
         on_split = tried[best] if split == "val" else coverage(
-            RankedRoute(bundle, encoder, Ranker(best, booster), features), scored)
+            RankedRoute(bundle, encoder, Ranker(best, LightGBMBooster(booster)), features), scored)
         curve.append({"share": share, "draw": draw, "train_queries": n,
                       "redundancy": best.redundancy, "val_coverage@10": tried[best],
                       f"{split}_coverage@10": on_split})

@@ -30,6 +30,7 @@ from service.artifacts.bundle import (
     stage,
 )
 from service.errors import InputError
+from service.fanout.booster import LightGBMBooster
 from service.fanout.mentions import (
     CATEGORICAL,
     FEATURES,
@@ -161,10 +162,11 @@ def tune(bundle: Any, encoder: Encoder, sizes: CandidateSizes, booster: Any | No
     tried: dict[RankerConfig, float] = {}
     features = features or MentionFeatures(bundle, sizes, words)
     models = [RANKER_MODEL] if booster is not None else []
+    trained = None if booster is None else LightGBMBooster(booster)
     for model in ([None] if baseline or not models else []) + models:  # a tie: no model
         for weight in redundancies if val else (0.0,):
             config = RankerConfig(sizes, weight, FEATURES, model, words)
-            path = RankedRoute(bundle, encoder, Ranker(config, booster if model else None),
+            path = RankedRoute(bundle, encoder, Ranker(config, trained if model else None),
                                features)
             tried[config] = coverage(path, val) if val else float("nan")
             if report:

@@ -161,7 +161,37 @@ def test_a_ranker_whose_library_cannot_load_is_a_missing_runtime(tmp_path, monke
                    ).save_model(str(tmp_path / RANKER_MODEL))
     (tmp_path / RANKER_CONFIG).write_text(json.dumps(RankerConfig().to_dict()))
     assert Ranker.load(tmp_path).booster is not None
+    monkeypatch.setitem(sys.modules, "lleaves", None)  # LightGBM serves without lleaves
     monkeypatch.delitem(sys.modules, "lightgbm")
     monkeypatch.setattr(sys, "meta_path", [BrokenLibrary(), *sys.meta_path])
     with pytest.raises(ImportError, match="libgomp1"):
         Ranker.load(tmp_path)
+
+
+def test_the_compiled_ranker_scores_as_lightgbm_does(bundle, tmp_path):
+    """lleaves' machine code and LightGBM's tree walk give one score per candidate (the served
+    top 12 cannot move), categorical words included; a model file is compiled once a process."""
+
+    from service.fanout.booster import CompiledBooster, LightGBMBooster, load_booster
+    from service.fanout.mentions import CATEGORICAL
+    from training.stage1_fanout.ranker import RankerTrainConfig, fit
+
+    words = MentionWords(("a", "the", NO_MENTION), ("of", END, NO_MENTION))
+    features = MentionFeatures(bundle, CandidateSizes(hybrid=20, mentions=200), words)
+    texts = ["tree", "dog", "musical instrument", "plant", "animal", "zzqx"]
+    query = Encoder(bundle.encoder_config).encode(texts)
+    found = features.candidates(texts, query)
+    tables = [features.features(t, q, rows, listed)
+              for t, q, (rows, listed) in zip(texts, query, found, strict=True)]
+    table = np.concatenate(tables)
+    labels = (table[:, FEATURES.index("mention_position")] < 3).astype(int)  # any signal
+    booster = fit(table, labels, [len(t) for t in tables], RankerTrainConfig(rounds=40))
+    booster.save_model(str(tmp_path / RANKER_MODEL))
+    (tmp_path / RANKER_CONFIG).write_text(json.dumps(RankerConfig(model=RANKER_MODEL,
+                                                                  words=words).to_dict()))
+    served = Ranker.load(tmp_path)
+    assert isinstance(served.booster, CompiledBooster)
+    assert load_booster(tmp_path / RANKER_MODEL) is served.booster
+    walked = LightGBMBooster(booster).predict(table)
+    np.testing.assert_allclose(served.score(table), walked, rtol=0, atol=1e-9)
+    assert np.ptp(walked) > 0 and len(np.unique(table[:, FEATURES.index(CATEGORICAL[0])])) > 1
