@@ -45,9 +45,16 @@ class ItemParts:
 
 
 def context_features(context: np.ndarray, parts: ItemParts | None, rows: np.ndarray,
-                     queries: np.ndarray | None) -> np.ndarray:
-    """(B, C, d [+ P]) what a student's context holds of its rows (B, C): their embeddings
-    `context` (B, C, d), and with `parts` the query's cosine to each of their parts."""
-    if parts is None or queries is None:
-        return np.ascontiguousarray(context)
-    return np.concatenate([context, parts.similarities(rows, queries)], axis=-1)
+                     queries: np.ndarray | None, mentions: np.ndarray | None = None
+                     ) -> np.ndarray:
+    """(B, C, d [+ P] [+ M]) what a student's context holds of its rows (B, C): their
+    embeddings `context` (B, C, d), with `parts` the query's cosine to each of their parts, and
+    the mention columns `mentions` (B, C, M) when given
+    (service.fanout.mention_context)."""
+    columns = [context]
+    if parts is not None and queries is not None:
+        columns.append(parts.similarities(rows, queries))
+    if mentions is not None:
+        columns.append(mentions)
+    return np.ascontiguousarray(columns[0]) if len(columns) == 1 else np.concatenate(
+        columns, axis=-1)

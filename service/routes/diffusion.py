@@ -17,6 +17,8 @@ from service.artifacts.parts import ItemParts, context_features
 from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
+from service.fanout.mention_context import MentionContext
+from service.fanout.mentions import MentionWords
 from service.fanout.ranker import RankedNeighbourhood
 from service.routes.answer import RouteAnswer, RouteQuery, StageClock, selection_notes, stamp
 from service.routes.resolution import (
@@ -59,6 +61,7 @@ class DiffusionContext:
             raise BundleError(f"unknown diffusion context source {self.source!r}; "
                               f"use one of {CONTEXT_SOURCES}")
         self.parts = self._parts(bundle, tuple(config.get("parts", ())))
+        self.mentions = self._mentions(bundle, config.get("mention_words"))
         self.prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
         if self.n and self.source == "ranked":  # a student distilled from the ranker
             self.prompt = RankedNeighbourhood(bundle, self.n)
@@ -66,6 +69,18 @@ class DiffusionContext:
             source = str(config.get("candidates", UNRECORDED_SOURCE))
             self.prompt = PromptNeighbourhood(Candidates.of(bundle, source), bundle.items.texts,
                                               bundle.items.embeddings, self.n)
+
+    @staticmethod
+    def _mentions(bundle: Bundle, words: dict[str, list[str]] | None) -> MentionContext | None:
+        """The mention columns the model reads (`mention_words` in diffusion.json: the words
+        either side of a mention its encoding tells apart), from the bundle's lexical index."""
+        if words is None:
+            return None
+        if bundle.lexical is None:
+            raise BundleError("the diffusion model reads mention features: the bundle needs its "
+                              "lexical index (`r4t catalog` builds it)")
+        return MentionContext(bundle, MentionWords(tuple(words.get("before", ())),
+                                                   tuple(words.get("after", ()))))
 
     @staticmethod
     def _parts(bundle: Bundle, names: tuple[str, ...]) -> ItemParts | None:
@@ -92,16 +107,19 @@ class DiffusionContext:
             return None
         return np.ascontiguousarray(self.bundle.items.embeddings[rows], dtype=np.float32)
 
-    def features(self, context: np.ndarray, rows: np.ndarray, queries: np.ndarray
-                 ) -> np.ndarray:
-        """(B, C, d [+ P]) what the sampler reads of the context (B, C, d) of rows (B, C)."""
-        return context_features(context, self.parts, rows, queries)
+    def features(self, context: np.ndarray, rows: np.ndarray, queries: np.ndarray,
+                 texts: Sequence[str]) -> np.ndarray:
+        """(B, C, d [+ P] [+ M]) what the sampler reads of the context (B, C, d) of rows
+        (B, C) of queries `texts` (embeddings `queries`)."""
+        mentions = None if self.mentions is None else self.mentions(texts, queries, rows)
+        return context_features(context, self.parts, rows, queries, mentions)
 
     def __call__(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
         """(B, C, d [+ P]) the sampler's context input, or None without a context."""
         rows = self.rows(texts, queries)
         context = self.embeddings(rows)
-        return None if rows is None or context is None else self.features(context, rows, queries)
+        return None if rows is None or context is None else self.features(context, rows, queries,
+                                                                          texts)
 
 
 def repeat_draws(queries: np.ndarray, context: np.ndarray | None,
@@ -161,7 +179,8 @@ class DiffusionRoute:
         context = self.context.embeddings(context_rows)  # (B, C, d) or None
         features = None  # (B, C, d [+ P]): the sampler's context
         if context_rows is not None and context is not None:
-            features = self.context.features(context, context_rows, queries)
+            features = self.context.features(context, context_rows, queries,
+                                             [q.text for q in batch])
             clock.lap("context")
         rows = np.asarray(draw_rows(self.bundle.index, self.sampler, queries, self.seed,
                                     context, features), dtype=np.float32)

@@ -52,6 +52,9 @@ class DiffusionSampler:
         self.rows = int(self.config["rows"])
         self.dim = int(self.config["dim"])
         self.context = int(self.config.get("context", 0))
+        # one context item's width: its embedding, then what else the model reads of it
+        self.width = int(self.config.get("context_width",
+                                         self.dim + len(self.config.get("parts", ()))))
 
     def noise(self, batch: int, seed: int | None = None) -> np.ndarray:
         """Standard-normal starting noise (B, L, d); the same seed gives the same noise."""
@@ -65,7 +68,7 @@ class DiffusionSampler:
             raise ValueError(f"query_emb must be (B, {self.dim}), got {query.shape}")
         if not self.context:
             return {"query": query}
-        expected = (len(query), self.context, self.dim + len(self.config.get("parts", ())))
+        expected = (len(query), self.context, self.width)
         if context is None or context.shape != expected:
             got = None if context is None else context.shape
             raise ValueError(f"this sampler needs context {expected} (see "

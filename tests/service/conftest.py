@@ -4,7 +4,7 @@ uvicorn servers on 127.0.0.1.
 The serving bundle is the session's small WordNet bundle (tests/conftest.py) plus a real
 `diffusion/` stage exported by `r4t export diffusion`'s code from a tiny denoiser trained for
 a few steps: shaped as the `standalone` student's (rows = k = 10, a context of the query's
-nearest items with their parts' cosines, one draw of one Euler step: the route serves with no
+nearest items with their mention features, one draw of one Euler step: the route serves with no
 ranker), smaller (16 context items, the `tiny` width). Only
 the bundles whose sampler misbehaves on purpose (`broken_bundle`, `fragile_bundle`) carry a
 hand-built toy graph instead (`sampler_graph`).
@@ -133,14 +133,12 @@ def export_tiny_diffusion(bundle_dir: Path, run_dir: Path) -> dict[str, Any]:
     from training.stage3_diffusion.export import ExportConfig, export_diffusion
 
     torch.set_num_threads(1)
-    from training.data.parts import PART_NAMES
-
     # one block and a few training steps keep the session's setup short (the dynamo export
     # of one step graph dominates it); ordered rows and a context of the nearest items and
-    # their parts, as the `standalone` preset
+    # their mention features, as the `standalone` preset
     checkpoint = tiny_checkpoint(run_dir, rows=ROWS, steps=TRAIN_STEPS, context=CONTEXT,
                                  context_source=CONTEXT_SOURCE, ordered=True, layers=1,
-                                 parts=PART_NAMES)
+                                 mentions=True)
     return export_diffusion(bundle_dir, checkpoint,
                             ExportConfig(solver=SOLVER, steps=STEPS, draws=DRAWS))
 

@@ -15,7 +15,8 @@ from service.artifacts.parts import ItemParts, context_features
 from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
-from service.fanout.ranker import RankedNeighbourhood
+from service.fanout.mention_context import encode_mentions
+from service.fanout.ranker import RankedNeighbourhood, ScoredCandidates
 from service.runtime.index import neighbour_rows
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class Neighbourhood:
     # and each block's query among them (N,)
     features: np.ndarray | None = None
     query_of: np.ndarray | None = None
+    # with mention features: the ranker's score of each distinct query's context items (U, C)
+    scores: np.ndarray | None = None
 
     def of(self, picks: np.ndarray, device: str = "cpu") -> torch.Tensor:
         """(B, C, d [+ P]) context of the blocks `picks`."""
@@ -51,12 +54,21 @@ class Neighbourhood:
         return torch.from_numpy(np.ascontiguousarray(self.embeddings[self.rows[picks]],
                                                      dtype=np.float32)).to(device)
 
+    def teacher(self, picks: np.ndarray, device: str = "cpu") -> torch.Tensor | None:
+        """(B, C) the teacher's scores of the blocks' context items, when recorded."""
+        if self.scores is None or self.query_of is None:
+            return None
+        return torch.from_numpy(self.scores[self.query_of[picks]]).to(device)
+
 
 def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, n: int,
                         prompt: PromptNeighbourhood | RankedNeighbourhood | None = None,
-                        parts: ItemParts | None = None) -> Neighbourhood:
+                        parts: ItemParts | None = None,
+                        mentions: ScoredCandidates | None = None) -> Neighbourhood:
     """Look each distinct query up once (its n nearest items, or with `prompt` the n items its
-    prompt names); blocks of one query share its context."""
+    prompt names); blocks of one query share its context. With `mentions` (the bundle's
+    ranker and its features) each item also carries its mention columns, and the ranker's
+    score of it is kept as the soft target."""
     _, first, inverse = np.unique(data.query_emb, axis=0, return_index=True,
                                   return_inverse=True)
     if prompt is None:
@@ -65,10 +77,16 @@ def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, 
         texts = [data.queries[int(data.query_index[i])] for i in first]
         rows = prompt.rows(texts, data.query_emb[first])  # (U, C)
     inverse = inverse.reshape(-1)
-    if parts is None:
+    if parts is None and mentions is None:
         return Neighbourhood(rows[inverse], embeddings)  # rows (N, C)
-    features = context_features(embeddings[rows], parts, rows, data.query_emb[first])  # (U, C, W)
-    return Neighbourhood(rows[inverse], embeddings, features, inverse)
+    queries, scores, columns = data.query_emb[first], None, None
+    if mentions is not None:
+        texts = [data.queries[int(data.query_index[i])] for i in first]
+        table = mentions.features.table(texts, queries, [(r, 0) for r in rows])  # (U·C, F)
+        scores = mentions.ranker.score(table).reshape(rows.shape).astype(np.float32)  # (U, C)
+        columns = encode_mentions(table, n).reshape(*rows.shape, -1)  # (U, C, M)
+    features = context_features(embeddings[rows], parts, rows, queries, columns)  # (U, C, W)
+    return Neighbourhood(rows[inverse], embeddings, features, inverse, scores)
 
 
 def check_context_size(dataset_dir: Path, n: int, source: str) -> dict[str, Any]:
@@ -111,9 +129,9 @@ def bundle_context(bundle_dir: Path, data: BlockDataset, model: DenoiserConfig,
     if model.context_source == "ranked":
         check_context_size(dataset_dir, n, "ranked")
         prompt = RankedNeighbourhood(bundle, n)
-    elif model.parts:  # the query's n nearest, each scored by the ranker in stage 2
+    elif model.reads_items:  # the query's n nearest, each scored by the ranker in stage 2
         check_context_size(dataset_dir, n, "nearest")
-        if bundle.parts is None or bundle.parts.names != model.parts:
+        if model.parts and (bundle.parts is None or bundle.parts.names != model.parts):
             raise BundleError(f"the denoiser reads item parts {list(model.parts)}; "
                               f"{bundle_dir} holds {bundle.manifest.get('parts')}: `r4t "
                               "catalog` rebuilds them")
@@ -122,4 +140,5 @@ def bundle_context(bundle_dir: Path, data: BlockDataset, model: DenoiserConfig,
         prompt = PromptNeighbourhood(Candidates.of(bundle, model.candidates),
                                      bundle.items.texts, bundle.items.embeddings, n)
     return block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt,
-                               bundle.parts if model.parts else None)
+                               bundle.parts if model.parts else None,
+                               ScoredCandidates(bundle) if model.mentions else None)

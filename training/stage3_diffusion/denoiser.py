@@ -23,7 +23,10 @@ embedding and its parts' cosines to the query, and D is a mixture of the context
 softmax(logits)·context, the logits (B, L, C) from the last hidden rows against keys of the
 items (CDCD's score interpolation, Dieleman et al. 2022), trained by cross-entropy on which item
 each row is: among a query's nearest items, which differ little in embedding, a vector output
-lands between them.
+lands between them. With mention features (`mentions`: where the query's words sit in each
+item's text, service.fanout.mention_context) the item MLP is two layers deep and adds a score
+per item to every row's logits, trained toward the ranker's scores of the same items (soft
+targets), so the rows choose among items the student has already ranked.
 
 Rows vs slots: with L = k row i is slot i; with L > k training fills the extra rows with copies
 of items of the same block, and serving keeps the k rows that resolve most confidently.
@@ -41,8 +44,8 @@ from torch import nn
 from service.errors import BundleError, InputError
 from service.fanout.candidates import CANDIDATE_SOURCES, UNRECORDED_SOURCE
 from service.fanout.format import PROMPT_RECIPE
+from service.fanout.mention_context import MENTION_WIDTH
 from service.routes.diffusion import CONTEXT_SOURCES
-from training.data.parts import PART_NAMES
 from training.stage2_synthesis.teachers import RANKED_CONTEXT
 
 STANDALONE_CONTEXT = 128
@@ -75,6 +78,8 @@ class DenoiserConfig:
     # the item parts (service.artifacts.parts) whose cosine to the query each context item also
     # carries: (B, C, d + P) context, read through an MLP; () = embeddings alone
     parts: tuple[str, ...] = ()
+    # each context item's mention features (service.fanout.mention_context) after the above
+    mentions: bool = False
 
     def __post_init__(self) -> None:
         if self.context_source not in CONTEXT_SOURCES:
@@ -87,14 +92,21 @@ class DenoiserConfig:
             raise InputError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
         if self.rows < self.k:
             raise InputError(f"rows L={self.rows} must be at least k={self.k}")
-        if self.parts and (not self.context or self.context_source != "nearest"):
-            raise InputError("parts describe the query's nearest items: the denoiser needs a "
+        if self.reads_items and (not self.context or self.context_source != "nearest"):
+            raise InputError("parts and mentions describe the query's nearest items: the "
+                             "denoiser needs a "
                              "context (context > 0, context_source 'nearest')")
 
     @property
     def context_width(self) -> int:
-        """Width of one context item: its embedding, then its parts' cosines to the query."""
-        return self.dim + len(self.parts)
+        """Width of one context item: its embedding, its parts' cosines to the query, then its
+        mention features."""
+        return self.dim + len(self.parts) + (MENTION_WIDTH if self.mentions else 0)
+
+    @property
+    def reads_items(self) -> bool:
+        """Whether an MLP reads each context item and the rows point at them."""
+        return bool(self.parts) or self.mentions
 
     @property
     def among(self) -> str:
@@ -109,6 +121,8 @@ class DenoiserConfig:
             del config["context_source"]
         if config["candidates"] == UNRECORDED_SOURCE:
             del config["candidates"]
+        if not config["mentions"]:
+            del config["mentions"]
         if not config["parts"]:
             del config["parts"]
         else:
@@ -138,10 +152,12 @@ PRESETS: dict[str, DenoiserConfig] = {
                           ordered=True, context_source="ranked",
                           candidates=PROMPT_RECIPE.candidates),
     "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
-    # no teacher at serve time: the query's STANDALONE_CONTEXT nearest items, each with its
-    # parts' cosines to the query (service.artifacts.parts), chosen among by the ranker offline
+    # no teacher at serve time: the query's STANDALONE_CONTEXT nearest items, each read with
+    # its mention features (service.fanout.mention_context: where the query's words sit in its
+    # text), chosen among by the ranker offline; it measured above the same context read
+    # through its parts' cosines (docs/experiments.md, 2026-12-06)
     "standalone": DenoiserConfig(hidden=128, mlp=512, layers=2, heads=4,
-                                 context=STANDALONE_CONTEXT, ordered=True, parts=PART_NAMES),
+                                 context=STANDALONE_CONTEXT, ordered=True, mentions=True),
 }
 
 
@@ -241,12 +257,15 @@ class Denoiser(nn.Module):
         self.blocks = nn.ModuleList(
             Block(h, config.mlp, config.heads, config.context > 0) for _ in range(config.layers)
         )
-        if config.parts:  # an MLP per context item: which parts match is not linear in them
+        if config.reads_items:  # an MLP per context item: what matches is not linear
+            deeper = [nn.Linear(h, h), nn.GELU(approximate="tanh")] if config.mentions else []
             self.item = nn.Sequential(nn.Linear(config.context_width, h),
-                                      nn.GELU(approximate="tanh"))
+                                      nn.GELU(approximate="tanh"), *deeper)
             self.pointer = nn.Linear(h, h)  # the items' keys for the rows' logits
+        if config.mentions:
+            self.score = nn.Linear(h, 1)  # each item's relevance, added to every row's logits
         if config.context > 0:  # keys and values of the context, shared by every layer
-            self.memory = nn.Linear(h if config.parts else config.dim, 2 * h)
+            self.memory = nn.Linear(h if config.reads_items else config.dim, 2 * h)
             self.rank = nn.Parameter(torch.zeros(config.context, 2 * h))  # (C, 2·hidden)
         self.final_norm = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
         self.final_mod = nn.Linear(h, 2 * h)
@@ -271,7 +290,7 @@ class Denoiser(nn.Module):
                 context: torch.Tensor | None = None) -> torch.Tensor:
         """D (B, L, d) at noisy rows x (B, L, d), σ (B,), query (B, d), context (B, C, d) when
         the model has one; keep (B,) is 1 to keep the condition, 0 for CFG's null one."""
-        if self.config.parts and context is not None:  # a mixture of the context items
+        if self.config.reads_items and context is not None:  # a mixture of the context items
             weights = torch.softmax(self.context_logits(x, sigma, query, keep, context), -1)
             return weights @ context[..., : self.config.dim]  # (B, L, C) @ (B, C, d)
         c_skip, c_out, c_in, c_noise = self.preconditioning(sigma)
@@ -285,7 +304,14 @@ class Denoiser(nn.Module):
         items = self.item(context)  # (B, C, h): read once, for the memory and the keys
         h = self.network(c_in[:, None, None] * x, c_noise, query, keep, context, items)
         keys = self.pointer(items) + self.rank[:, : self.config.hidden]  # (B, C, h)
-        return h @ keys.transpose(1, 2) / math.sqrt(self.config.hidden)  # (B, L, C)
+        logits = h @ keys.transpose(1, 2) / math.sqrt(self.config.hidden)  # (B, L, C)
+        if self.config.mentions:
+            logits = logits + self.score(items).transpose(1, 2)  # (B, 1, C) to every row
+        return logits
+
+    def item_scores(self, context: torch.Tensor) -> torch.Tensor:
+        """(B, C) each context item's relevance (the part of the logits every row shares)."""
+        return self.score(self.item(context))[..., 0]
 
     def guided(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
                cfg_weight: float, context: torch.Tensor | None = None) -> torch.Tensor:
@@ -340,7 +366,7 @@ class Denoiser(nn.Module):
             raise ValueError(f"context must be (B, {self.config.context}, {width}), got {got}")
         b, c, _ = context.shape
         if items is None:
-            items = self.item(context) if self.config.parts else context  # (B, C, hidden | d)
+            items = self.item(context) if self.config.reads_items else context  # (B, C, h | d)
         kv = self.memory(items) + self.rank  # (B, C, 2·hidden)
         kv = kv.reshape(b, c, 2, self.config.heads, -1).permute(2, 0, 3, 1, 4)  # (2, B, H, C, Dh)
         return kv[0], kv[1], None if keep is None else keep[:, None, None]  # gate (B, 1, 1)
@@ -360,7 +386,8 @@ def flops_per_step(config: DenoiserConfig, cfg: bool = False) -> int:
     h, n, c = config.hidden, config.rows, config.context
     layer = 4 * h * h + 2 * h * config.mlp + (2 * h * h if c else 0)
     per_row = config.dim * h + h * config.dim + config.layers * layer
-    memory = config.context_width * h + 3 * h * h if config.parts else config.dim * 2 * h
+    memory = config.context_width * h + 3 * h * h if config.reads_items else config.dim * 2 * h
+    memory += (h * h + h) if config.mentions else 0  # the item MLP's second layer, its score
     per_query = config.fourier * h + h * h + config.dim * h + h * h + c * memory
     per_query += config.layers * 6 * h * h + 2 * h * h  # adaLN-Zero modulations
     attention = config.layers * 2 * n * (n + c) * h

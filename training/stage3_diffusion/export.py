@@ -264,7 +264,7 @@ def parity(model: Denoiser, sampler: onnx.ModelProto, config: ExportConfig) -> f
     if mc.context:  # unit rows, like the catalog embeddings served, then cosines
         rows = rng.standard_normal((config.parity_batch, mc.context, mc.dim)).astype(np.float32)
         rows /= np.linalg.norm(rows, axis=-1, keepdims=True)
-        cosines = rng.uniform(-1, 1, (config.parity_batch, mc.context, len(mc.parts)))
+        cosines = rng.uniform(-1, 1, (config.parity_batch, mc.context, mc.context_width - mc.dim))
         feeds[CONTEXT_INPUT] = np.concatenate([rows, cosines.astype(np.float32)], axis=-1)
         context = torch.from_numpy(feeds[CONTEXT_INPUT])
     session = ort.InferenceSession(sampler.SerializeToString(),
@@ -292,7 +292,7 @@ def sampler_config(model: Denoiser, config: ExportConfig) -> dict[str, Any]:
     return {
         "rows": mc.rows, "k": mc.k, "dim": mc.dim, "context": mc.context,
         "context_source": mc.context_source, "candidates": mc.candidates,
-        "parts": list(mc.parts), "solver": config.solver,
+        "parts": list(mc.parts), "context_width": mc.context_width, "solver": config.solver,
         "steps": config.steps, "evaluations": nfe, "form": config.form,
         "cfg_weight": config.cfg_weight, "cfg_formula": CFG_FORMULA,
         "sigma_min": mc.sigma_min, "sigma_max": mc.sigma_max, "sigma_data": mc.sigma_data,
@@ -304,8 +304,10 @@ def sampler_config(model: Denoiser, config: ExportConfig) -> dict[str, Any]:
     }
 
 
-def write_sampler(model: Denoiser, config: ExportConfig, out_dir: Path) -> dict[str, Any]:
-    """Write step.onnx, sampler.onnx and diffusion.json into `out_dir`; check parity."""
+def write_sampler(model: Denoiser, config: ExportConfig, out_dir: Path,
+                  served: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write step.onnx, sampler.onnx and diffusion.json (with `served`: what else the service
+    needs to build the model's inputs) into `out_dir`; check parity."""
     out_dir.mkdir(parents=True, exist_ok=True)
     mc = model.config
     step = export_step(model, config.cfg_weight, out_dir / "step.onnx")
@@ -315,9 +317,19 @@ def write_sampler(model: Denoiser, config: ExportConfig, out_dir: Path) -> dict[
     diff = parity(model, sampler, config)
     if not diff < 1e-3:
         raise RuntimeError(f"ONNX sampler differs from PyTorch by {diff:.2e} (limit 1e-3)")
-    meta = {**sampler_config(model, config), "parity_max_abs_diff": diff}
+    meta = {**sampler_config(model, config), **(served or {}), "parity_max_abs_diff": diff}
     (out_dir / "diffusion.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def mention_words(bundle_dir: Path) -> dict[str, Any]:
+    """The words either side of a mention the student's encoding told apart: the bundle's
+    ranker's, which scored its training context (training.stage3_diffusion.context)."""
+    from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RankerConfig
+
+    path = Path(bundle_dir) / RANKER_DIR / RANKER_CONFIG
+    words = RankerConfig.from_dict(json.loads(path.read_text())).words
+    return {"mention_words": {"before": list(words.before), "after": list(words.after)}}
 
 
 def diffusion_stage_config(config: ExportConfig, train_config_hash: str) -> dict[str, Any]:
@@ -336,7 +348,8 @@ def export_diffusion(bundle_dir: Path, checkpoint: Path, config: ExportConfig) -
     record = {"config": stage_config, "config_hash": config_hash(stage_config),
               "seed": config.seed}
     with stage(bundle_dir, manifest, STAGE, record) as staged:
-        sampler_meta = write_sampler(model, config, staged / STAGE)
+        sampler_meta = write_sampler(model, config, staged / STAGE,
+                                     mention_words(bundle_dir) if model.config.mentions else None)
         training = _training_summary(checkpoint.parent / LOSS_FILE, meta)
         (staged / STAGE / "training.json").write_text(json.dumps(training, indent=2) + "\n")
         files = [f"{STAGE}/{name}" for name in

@@ -58,6 +58,9 @@ class TrainConfig:
     # its i-th as the teacher wrote it (a ranker's pick order, which follows its context's ranks);
     # "context", the block's items in their context's order, so row i copies slot i, i+1, ...
     target_order: str = "query"
+    # with mention features: weight of the item scores' cross-entropy against the teacher's
+    # scores of the same items (softmax over the context), beside the rows' cross-entropy
+    soft_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.target_order not in TARGET_ORDERS:
@@ -73,6 +76,8 @@ class TrainConfig:
         config = asdict(self) | {"model": self.model.to_dict()}
         if config["target_order"] == "query":
             del config["target_order"]
+        if not config["soft_weight"]:
+            del config["soft_weight"]
         return config
 
 
@@ -82,9 +87,10 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     # fits a CPU build; rows in their context's order copy the teacher's picks more faithfully
     # than in its pick order (docs/experiments.md, 2026-12-05)
     "cpu": TrainConfig(model=preset("cpu"), steps=4500, target_order="context"),
-    # trained where its one Euler step samples (σ_max = 1): ln σ ~ N(0, 0.5²)
+    # trained where its one Euler step samples (σ_max = 1): ln σ ~ N(0, 0.5²); its item
+    # scores toward the ranker's scores of the same items
     "standalone": TrainConfig(model=preset("standalone"), steps=2000, target_order="context",
-                              p_mean=0.0, p_std=0.5),
+                              p_mean=0.0, p_std=0.5, soft_weight=1.0),
     "tiny": TrainConfig(model=preset("tiny"), steps=20, batch=16, warmup=2,
                         checkpoint_every=10, log_every=5),
 }
@@ -117,7 +123,8 @@ def rows_from_block(target: torch.Tensor, rows: int, generator: torch.Generator)
 
 def dsm_loss(model: Denoiser, query: torch.Tensor, target: torch.Tensor,
              config: TrainConfig, generator: torch.Generator,
-             context: torch.Tensor | None = None) -> torch.Tensor:
+             context: torch.Tensor | None = None,
+             teacher: torch.Tensor | None = None) -> torch.Tensor:
     """EDM loss E_σ λ(σ)‖D(x + σn; σ, q) − x‖², λ = (σ² + σ_d²)/(σ·σ_d)², for query (B, d),
     target rows (B, L, d) and context (B, C, d) or None.
 
@@ -131,11 +138,16 @@ def dsm_loss(model: Denoiser, query: torch.Tensor, target: torch.Tensor,
     noisy = target + sigma[:, None, None] * noise
     keep = (torch.rand(b, generator=generator, device=device)
             >= config.model.cond_drop).float()  # (B,)
-    if config.model.parts and context is not None:  # which context item each row is
+    if config.model.reads_items and context is not None:  # which context item each row is
         logits = model.context_logits(noisy, sigma, query, keep, context)  # (B, L, C)
         items = context[..., : config.model.dim]  # (B, C, d)
         labels = (target @ items.transpose(1, 2)).argmax(dim=-1)  # (B, L)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        if config.soft_weight and config.model.mentions and teacher is not None:
+            scores = torch.log_softmax(model.item_scores(context), dim=-1)  # (B, C)
+            soft = -(torch.softmax(teacher, dim=-1) * scores).sum(-1).mean()
+            loss = loss + config.soft_weight * soft
+        return loss
     denoised = model(noisy, sigma, query, keep, context)  # (B, L, d)
     sd = config.model.sigma_data
     weight = (sigma**2 + sd**2) / (sigma * sd) ** 2  # (B,)
@@ -215,12 +227,13 @@ def load_ema(path: Path) -> tuple[Denoiser, dict[str, Any]]:
 
 
 def train_step(state: TrainState, config: TrainConfig, query: torch.Tensor,
-               target: torch.Tensor, context: torch.Tensor | None = None) -> float:
+               target: torch.Tensor, context: torch.Tensor | None = None,
+               teacher: torch.Tensor | None = None) -> float:
     """One AdamW step on one batch, then the EMA update; returns the batch loss."""
     for group in state.optimizer.param_groups:
         group["lr"] = config.lr * lr_factor(state.step, config.warmup, config.steps)
     state.model.train()
-    loss = dsm_loss(state.model, query, target, config, state.generator, context)
+    loss = dsm_loss(state.model, query, target, config, state.generator, context, teacher)
     state.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(state.model.parameters(), 1.0)
@@ -233,13 +246,14 @@ def train_step(state: TrainState, config: TrainConfig, query: torch.Tensor,
     return float(loss.detach())
 
 
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def batch_of(data: BlockDataset, config: TrainConfig, generator: torch.Generator,
              context: Neighbourhood | None = None) -> Batch:
     """Uniform random blocks (with replacement), on the generator's device: query (B, d),
-    target (B, L, d) and, with a neighbourhood, context (B, C, d)."""
+    target (B, L, d) and, with a neighbourhood, context (B, C, d) and its teacher's scores of
+    the context (B, C), when it has them."""
     device = generator.device
     picks = torch.randint(0, len(data.query_emb), (config.batch,), generator=generator,
                           device=device).cpu().numpy()
@@ -257,7 +271,9 @@ def batch_of(data: BlockDataset, config: TrainConfig, generator: torch.Generator
         target = torch.gather(target, 1, torch.from_numpy(order).to(device)[..., None]
                               .expand(-1, -1, target.shape[2]))
     rows = rows_from_block(target, config.model.rows, generator)  # (B, L, d)
-    return query, rows, None if context is None else context.of(picks, device)
+    if context is None:
+        return query, rows, None, None
+    return query, rows, context.of(picks, device), context.teacher(picks, device)
 
 
 def sorted_by_query(target: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -308,8 +324,8 @@ def train(data: BlockDataset, config: TrainConfig, run_dir: Path, fresh: bool = 
     last = min(config.steps, until or config.steps)
     while state.step < last:
         began = time.perf_counter()
-        query, target, neighbours = batch_of(data, config, state.generator, context)
-        window.append(train_step(state, config, query, target, neighbours))
+        query, target, neighbours, teacher = batch_of(data, config, state.generator, context)
+        window.append(train_step(state, config, query, target, neighbours, teacher))
         state.wall_s += time.perf_counter() - began
         bar.update(1)
         if state.step % config.log_every == 0 or state.step == last:

@@ -1,5 +1,6 @@
-"""The diffusion route stands alone: its context is the query's nearest items and their parts
-(service.artifacts.parts), so it serves from a bundle without the ranker's files."""
+"""The diffusion route stands alone: its context is the query's nearest items and their mention
+features (service.fanout.mention_context), so it serves from a bundle without the ranker's
+files."""
 
 from __future__ import annotations
 

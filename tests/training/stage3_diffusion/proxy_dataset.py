@@ -50,13 +50,15 @@ def synthetic_blocks(n_queries: int = 8, per_query: int = 4, k: int = 10, d: int
     )
 
 
-def synthetic_neighbourhood(data: ProxyDataset, n: int,
-                            parts: tuple[str, ...] = ()) -> Neighbourhood:
+def synthetic_neighbourhood(data: ProxyDataset, n: int, parts: tuple[str, ...] = (),
+                            mentions: bool = False) -> Neighbourhood:
     """The blocks' context: each query's n nearest items of the dataset's catalog (with
-    `parts`, random unit part vectors for each item)."""
+    `parts`, random unit part vectors for each item; with `mentions`, random mention columns
+    and teacher scores)."""
     from service.artifacts.parts import ItemParts
+    from service.fanout.mention_context import MENTION_WIDTH
     from service.runtime.index import build_index
-    from training.stage3_diffusion.context import block_neighbourhood
+    from training.stage3_diffusion.context import Neighbourhood, block_neighbourhood
 
     assert data.catalog is not None
     item_parts = None
@@ -64,8 +66,16 @@ def synthetic_neighbourhood(data: ProxyDataset, n: int,
         vectors = _unit(np.random.default_rng(1).normal(
             size=(len(data.catalog), len(parts), data.catalog.shape[1])))
         item_parts = ItemParts(parts, vectors.astype(np.float16))
-    return block_neighbourhood(data, build_index(data.catalog), data.catalog, n,
+    near = block_neighbourhood(data, build_index(data.catalog), data.catalog, n,
                                parts=item_parts)
+    if not mentions:
+        return near
+    rng = np.random.default_rng(2)  # one context per block: its query's, drawn at random
+    base = near.of(np.arange(len(data.query_emb))).numpy()  # (N, C, d [+ P])
+    columns = rng.uniform(0, 1, (*base.shape[:2], MENTION_WIDTH)).astype(np.float32)
+    scores = rng.normal(size=base.shape[:2]).astype(np.float32)  # (N, C)
+    return Neighbourhood(near.rows, near.embeddings, np.concatenate([base, columns], -1),
+                         np.arange(len(data.query_emb)), scores)
 
 
 def neighbour_blocks(bundle_dir: Path, per_query: int = 128, k: int = 10, top: int = 100,
@@ -102,7 +112,8 @@ def tiny_checkpoint(run_dir: Path, rows: int = 10, steps: int = 20, context: int
     model = preset("tiny", rows=rows, context=context, **model)
     config = train_preset("tiny", steps=steps, model=model)
     data = synthetic_blocks()
-    neighbours = synthetic_neighbourhood(data, context, model.parts) if context else None
+    neighbours = synthetic_neighbourhood(data, context, model.parts, model.mentions) \
+        if context else None
     train(data, config, run_dir, progress=False, context=neighbours)
     return run_dir / CHECKPOINT
 

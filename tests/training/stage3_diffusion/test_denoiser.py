@@ -63,7 +63,7 @@ def _fixed_loss(state, config, query, target, context=None) -> float:
 def test_one_training_step_lowers_the_loss_on_a_fixed_batch():
     config = train_preset("tiny", lr=3e-3, warmup=1)
     state = new_state(config)
-    query, target, _ = batch_of(synthetic_blocks(), config, torch.Generator().manual_seed(1))
+    query, target, _, _ = batch_of(synthetic_blocks(), config, torch.Generator().manual_seed(1))
     before = _fixed_loss(state, config, query, target)
     state.generator = torch.Generator().manual_seed(7)  # the step sees the same noise
     train_step(state, config, query, target)
@@ -79,7 +79,7 @@ def test_training_with_a_context_attends_to_each_querys_nearest_items(tmp_path):
     nearest = np.argsort(-(data.query_emb @ data.catalog.T), axis=1)[:, :4]  # (N, 4)
     assert np.array_equal(neighbours.rows, nearest)
     state = new_state(config)
-    query, target, context = batch_of(data, config, torch.Generator().manual_seed(1), neighbours)
+    query, target, context, _ = batch_of(data, config, torch.Generator().manual_seed(1), neighbours)
     assert context.shape == (config.batch, 4, 128)
     before = _fixed_loss(state, config, query, target, context)
     state.generator = torch.Generator().manual_seed(7)
@@ -175,7 +175,7 @@ def test_configs_naming_removed_options_load_at_their_surviving_value():
 def test_ordered_rows_sort_each_block_by_cosine_to_the_query_and_carry_positions():
     config = train_preset("tiny", model=preset("tiny", ordered=True))
     data = synthetic_blocks()
-    query, target, _ = batch_of(data, config, torch.Generator().manual_seed(1))
+    query, target, _, _ = batch_of(data, config, torch.Generator().manual_seed(1))
     sims = (target @ query[:, :, None])[..., 0]  # (B, k)
     assert (sims[:, :-1] >= sims[:, 1:]).all()
     unsorted = torch.from_numpy(data.target_emb)  # the stored blocks are not in that order
@@ -193,7 +193,7 @@ def test_teacher_target_order_keeps_each_block_as_written_and_leaves_old_hashes_
     config = train_preset("tiny", model=preset("tiny", ordered=True), target_order="teacher")
     generator = torch.Generator().manual_seed(1)
     picks = torch.randint(0, len(data.query_emb), (config.batch,), generator=generator)
-    _, target, _ = batch_of(data, config, torch.Generator().manual_seed(1))
+    _, target, _, _ = batch_of(data, config, torch.Generator().manual_seed(1))
     assert torch.equal(target, torch.from_numpy(data.target_emb[picks.numpy()]))
     by_query = replace(config, target_order="query")
     assert "target_order" not in by_query.to_dict()  # runs written before the option match
@@ -211,7 +211,7 @@ def test_context_target_order_puts_each_block_in_its_context_order():
                           target_order="context")
     picks = torch.randint(0, len(data.query_emb), (config.batch,),
                           generator=torch.Generator().manual_seed(1)).numpy()
-    _, target, _ = batch_of(data, config, torch.Generator().manual_seed(1), neighbourhood)
+    _, target, _, _ = batch_of(data, config, torch.Generator().manual_seed(1), neighbourhood)
     for b, block in enumerate(picks.tolist()):  # by each item's slot in its context
         slot = {int(row): i for i, row in enumerate(neighbourhood.rows[block])}
         rows = sorted(data.target_rows[block].tolist(), key=slot.__getitem__)

@@ -1,0 +1,48 @@
+"""What a standalone diffusion student reads of each of its context items besides the item's
+embedding: the ranker's mention features (service.fanout.mentions), computed in numpy from the
+item side compiled once per bundle (service.fanout.words), in a fixed numeric encoding. The
+ranker's knowledge is where the query's words sit in an item's text; these columns carry it to
+the student, which then needs neither the ranker's model nor its candidate lists to serve."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from service.artifacts.bundle import Bundle
+from service.fanout.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
+
+WORDS = 30  # words per side told apart (the ranker's default); one more slot for any other
+NUMERIC = ("similarity", "mentions", "mention_position", "early_mention", "log_name_fanin",
+           "name_words", "name_holds_query", "head_match", "text_words", "rank")
+MENTION_WIDTH = len(NUMERIC) + 2 * (WORDS + 1)
+
+
+def encode_mentions(table: np.ndarray, context: int) -> np.ndarray:
+    """(N, MENTION_WIDTH) float32 for feature rows (N, F) of queries' `context` nearest items
+    in order: counts on a log scale, each side's word one-hot."""
+    column = {name: table[:, i] for i, name in enumerate(FEATURES)}
+    rank = np.tile(np.arange(context, dtype=np.float32) / context, len(table) // context)
+    numeric = [column["similarity"], column["mentions"],
+               np.log1p(column["mention_position"]) / np.log1p(ABSENT_RANK),
+               column["early_mention"], column["log_name_fanin"] / 5,
+               column["name_words"] / 5, column["name_holds_query"], column["head_match"],
+               np.log1p(column["text_words"]) / 4, rank]
+    sides = [np.eye(WORDS + 1, dtype=np.float32)[np.minimum(column[name].astype(np.int64), WORDS)]
+             for name in ("word_before_mention", "word_after_mention")]
+    return np.concatenate([np.stack(numeric, axis=1), *sides], axis=1).astype(np.float32)
+
+
+class MentionContext:
+    """The mention columns (B, C, MENTION_WIDTH) of each query's context rows (B, C)."""
+
+    def __init__(self, bundle: Bundle, words: MentionWords) -> None:
+        if len(words.before) > WORDS or len(words.after) > WORDS:
+            raise ValueError(f"a student tells apart at most {WORDS} words per side")
+        self.features = MentionFeatures(bundle, words=words)
+
+    def __call__(self, texts: Sequence[str], queries: np.ndarray, rows: np.ndarray
+                 ) -> np.ndarray:
+        table = self.features.table(texts, queries, [(r, 0) for r in rows])  # (B·C, F)
+        return encode_mentions(table, rows.shape[1]).reshape(*rows.shape, MENTION_WIDTH)

@@ -1,0 +1,53 @@
+"""A standalone student's mention columns: the ranker's features of each context item in a fixed
+encoding, from the bundle's lexical index alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.artifacts.bundle import load_bundle
+from service.fanout.mention_context import (
+    MENTION_WIDTH,
+    NUMERIC,
+    WORDS,
+    MentionContext,
+    encode_mentions,
+)
+from service.fanout.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
+from service.runtime.encoder import Encoder
+from service.runtime.index import neighbour_rows
+
+
+@pytest.fixture(scope="module")
+def bundle(small_bundle_dir):
+    return load_bundle(small_bundle_dir)
+
+
+def test_the_encoding_keeps_a_mention_s_place_and_its_words():
+    table = np.zeros((2, len(FEATURES)), dtype=np.float32)
+    column = {name: i for i, name in enumerate(FEATURES)}
+    table[0, column["mention_position"]] = 0  # named first
+    table[1, column["mention_position"]] = ABSENT_RANK  # not named
+    table[0, column["word_after_mention"]] = 3
+    table[1, column["word_after_mention"]] = WORDS + 7  # an unknown word: the last slot
+    encoded = encode_mentions(table, context=2)
+    assert encoded.shape == (2, MENTION_WIDTH)
+    position = NUMERIC.index("mention_position")
+    assert encoded[0, position] == 0.0 and encoded[1, position] == pytest.approx(1.0)
+    assert encoded[:, NUMERIC.index("rank")].tolist() == [0.0, 0.5]
+    after = encoded[:, len(NUMERIC) + WORDS + 1:]  # the after side's one-hot
+    assert after[0].argmax() == 3 and after[1].argmax() == WORDS and (after.sum(1) == 1).all()
+
+
+def test_the_columns_are_the_ranker_s_features_of_the_query_s_nearest(bundle):
+    words = MentionWords(("a", "the"), ("of",))
+    texts = ["tree", "dog", "zzqx"]
+    queries = Encoder(bundle.encoder_config).encode(texts)
+    rows = neighbour_rows(bundle.index, queries, 8)  # (3, 8)
+    columns = MentionContext(bundle, words)(texts, queries, rows)
+    assert columns.shape == (3, 8, MENTION_WIDTH)
+    table = MentionFeatures(bundle, words=words).table(texts, queries, [(r, 0) for r in rows])
+    np.testing.assert_array_equal(columns.reshape(-1, MENTION_WIDTH), encode_mentions(table, 8))
+    named = columns[..., NUMERIC.index("mention_position")] < 1.0
+    assert named[0].any() and not named[2].any()  # "tree" is named, a never-seen word is not
