@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "R4T_INDEX=milvus)"),
     "eval": (TRAINING, "evaluate methods on a benchmark split"),
     "table": (TRAINING, "print the bundle's evaluation table"),
+    "frontier": (TRAINING, "every route's coverage@10 against its CPU per answer relative to "
+                 "single's, one run"),
     "export": (TRAINING, "export trained models into the bundle"),
     "llm": (TRAINING, "a pretrained GGUF LLM as the bundle's AR policy (llm/)"),
     "synthesize": (TRAINING, "stage 2: sample the frozen policy into a dataset"),

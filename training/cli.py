@@ -328,11 +328,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="and this method minus each other, paired over queries, per split")
     table.set_defaults(func=cmd_table)
 
+    from training.evaluation import frontier
     from training.stage1_fanout import export as policy_export
     from training.stage1_fanout import gguf
     from training.stage2_synthesis import command as synthesis_command
 
-    for module in (policy_export, gguf, synthesis_command):
+    for module in (policy_export, gguf, synthesis_command, frontier):
         module.register(sub)
     register_train_folm(sub)
     register_diffusion(sub)

