@@ -168,11 +168,21 @@ def test_a_ranker_whose_library_cannot_load_is_a_missing_runtime(tmp_path, monke
         Ranker.load(tmp_path)
 
 
-def test_the_compiled_ranker_scores_as_lightgbm_does(bundle, tmp_path):
+def test_the_compiled_ranker_scores_as_lightgbm_does(bundle, tmp_path, monkeypatch):
     """lleaves' machine code and LightGBM's tree walk give one score per candidate (the served
-    top 12 cannot move), categorical words included; a model file is compiled once a process."""
+    top 12 cannot move), categorical words included; a model file is compiled once a process,
+    and a restart loads the machine code kept for it instead of compiling again."""
+    import tempfile
 
-    from service.fanout.booster import CompiledBooster, LightGBMBooster, load_booster
+    from service.artifacts.bundle import sha256_file
+    from service.fanout.booster import (
+        CompiledBooster,
+        LightGBMBooster,
+        load_booster,
+        object_file,
+    )
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     from service.fanout.mentions import CATEGORICAL
     from training.stage1_fanout.ranker import RankerTrainConfig, fit
 
@@ -195,3 +205,7 @@ def test_the_compiled_ranker_scores_as_lightgbm_does(bundle, tmp_path):
     walked = LightGBMBooster(booster).predict(table)
     np.testing.assert_allclose(served.score(table), walked, rtol=0, atol=1e-9)
     assert np.ptp(walked) > 0 and len(np.unique(table[:, FEATURES.index(CATEGORICAL[0])])) > 1
+    kept = object_file(sha256_file(tmp_path / RANKER_MODEL))
+    assert kept is not None and kept.is_file() and kept.parent.parent == tmp_path
+    restarted = CompiledBooster(tmp_path / RANKER_MODEL, kept)  # loaded from the file
+    np.testing.assert_array_equal(restarted.predict(table), served.score(table))
