@@ -40,7 +40,7 @@ from training.data.splits import BenchmarkQuery
 
 ROWS = 10  # rows = k, as the default bundle's sampler
 DIM = 128
-CONTEXT = 16  # the served sampler attends to its query's 16 nearest items and their parts
+CONTEXT = 16  # the served sampler attends to its query's 16 nearest items and their mentions
 CONTEXT_SOURCE = "nearest"
 DRAWS = 1
 SOLVER, STEPS = "euler", 1

@@ -18,9 +18,10 @@ chose
 from; or "nearest", the query's C nearest. CFG's null condition drops the query and the
 cross-attention.
 
-With item parts (`parts`, the standalone student) each context item is read by an MLP over its
-embedding and its parts' cosines to the query, and D is a mixture of the context items,
-softmax(logits)·context, the logits (B, L, C) from the last hidden rows against keys of the
+With item features (`parts`, its parts' cosines to the query, or `mentions`, the standalone
+student's) each context item is read by an MLP over its embedding and them, and D is a
+mixture of the context items, softmax(logits)·context, the logits (B, L, C) from the last
+hidden rows against keys of the
 items (CDCD's score interpolation, Dieleman et al. 2022), trained by cross-entropy on which item
 each row is: among a query's nearest items, which differ little in embedding, a vector output
 lands between them. With mention features (`mentions`: where the query's words sit in each
