@@ -48,6 +48,7 @@ ABSENT_RANK = 99.0
 EARLY = 3  # "a portable shelter": the genus sits in a gloss's first words
 # ItemWords' ids of the specials, before its vocabulary (offset by SPECIAL in the word tables)
 NONE_ID, END_ID, START_ID, SPECIAL = -3, -2, -1, 3
+SPECIALS = (NO_MENTION, END, START)  # the words of ids -3, -2, -1
 NO_TOKEN = np.iinfo(np.int64).min  # the last token of an empty query: equal to none
 MENTION_BYTES = 16 << 20  # the mention lists kept (a batch's, and repeats), by their bytes
 
@@ -254,7 +255,7 @@ class MentionFeatures:
     @functools.cached_property
     def _word_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """(SPECIAL + V,) the ranker's id of every token (and of the three specials), per side."""
-        tokens = (NO_MENTION, END, START, *self.item_words.tokens)  # ids -3, -2, -1, 0, ...
+        tokens = (*SPECIALS, *self.item_words.tokens)  # ids -3, -2, -1, 0, ...
         pairs = [self.words.ids(t, t) for t in tokens]
         return (np.array([p[0] for p in pairs], dtype=np.float32),
                 np.array([p[1] for p in pairs], dtype=np.float32))
@@ -263,7 +264,7 @@ class MentionFeatures:
         """Per candidate row, the description's words before and after the query's mention."""
         batch, asked = CandidateBatch.of([(rows, 0)]), self._asked([text])
         position = self._positions(batch, asked)
-        tokens = (NO_MENTION, END, START, *self.item_words.tokens)
+        tokens = (*SPECIALS, *self.item_words.tokens)
         return [(tokens[b + SPECIAL], tokens[a + SPECIAL])
                 for b, a in zip(*self._neighbour_ids(batch, position, asked), strict=True)]
 
