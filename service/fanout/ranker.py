@@ -90,31 +90,31 @@ class Ranker:
     def choose(self, scores: np.ndarray, embeddings: np.ndarray, k: int) -> list[int]:
         """Positions of k candidates (embeddings (C, d) unit rows), picked greedily by score
         minus redundancy × the highest cosine to the picks so far."""
-        [chosen] = self.choose_each([scores], [embeddings], [k])
+        [chosen] = self.choose_each([scores], [np.arange(len(scores))], [k], embeddings)
         return chosen.tolist()
 
-    def choose_each(self, scores: Sequence[np.ndarray], embeddings: Sequence[np.ndarray],
-                    ks: Sequence[int]) -> list[np.ndarray]:
-        """`choose` for a batch's queries (scores (C,) and embeddings (C, d) each), the greedy
-        steps taken for all of them at once, CHUNK queries at a time."""
+    def choose_each(self, scores: Sequence[np.ndarray], rows: Sequence[np.ndarray],
+                    ks: Sequence[int], table: np.ndarray) -> list[np.ndarray]:
+        """`choose` for a batch's queries (scores (C,) of rows (C,) of `table`'s unit vectors
+        (N, d), each), the greedy steps taken for all of them at once, CHUNK queries at a
+        time; only the contenders' vectors are read."""
         out: list[np.ndarray] = []
         for start in range(0, len(scores), CHUNK):
             end = start + CHUNK
-            out += self._greedy(scores[start:end], embeddings[start:end], ks[start:end])
+            out += self._greedy(scores[start:end], rows[start:end], ks[start:end], table)
         return out
 
-    def _greedy(self, scores: Sequence[np.ndarray], embeddings: Sequence[np.ndarray],
-                ks: Sequence[int]) -> list[np.ndarray]:
+    def _greedy(self, scores: Sequence[np.ndarray], rows: Sequence[np.ndarray],
+                ks: Sequence[int], table: np.ndarray) -> list[np.ndarray]:
         """Each query's candidates that can be picked (`contenders`), padded to (B, C), then
         the k greedy steps over the batch."""
         weight = self.config.redundancy
         kept = [contenders(s, min(k, len(s)), weight) for s, k in zip(scores, ks, strict=True)]
         width = max((len(c) for c in kept), default=0)
         value = np.full((len(kept), width), -np.inf)  # (B, C)
-        vectors = np.zeros((len(kept), width, embeddings[0].shape[1] if kept else 0),
-                           dtype=np.float32)  # (B, C, d)
+        vectors = np.zeros((len(kept), width, table.shape[1]), dtype=np.float32)  # (B, C, d)
         for i, c in enumerate(kept):
-            value[i, : len(c)], vectors[i, : len(c)] = scores[i][c], embeddings[i][c]
+            value[i, : len(c)], vectors[i, : len(c)] = scores[i][c], table[rows[i][c]]
         steps = np.array([min(k, len(s)) for s, k in zip(scores, ks, strict=True)])  # (B,)
         redundancy = np.zeros_like(value)  # (B, C)
         chosen = np.zeros((len(kept), int(steps.max(initial=0))), dtype=np.int64)  # (B, k)

@@ -33,7 +33,7 @@ class RankedRoute(PickingRoute):
 
     def choose(self, texts: Sequence[str], queries: np.ndarray, ks: Sequence[int]
                ) -> list[np.ndarray]:
-        embeddings, scored = self.bundle.items.embeddings, self.scored(texts, queries)
-        picks = self.ranker.choose_each([s for _, s in scored],
-                                        [embeddings[rows] for rows, _ in scored], ks)
+        scored = self.scored(texts, queries)
+        picks = self.ranker.choose_each([s for _, s in scored], [rows for rows, _ in scored], ks,
+                                        self.bundle.items.embeddings)
         return [rows[p] for (rows, _), p in zip(scored, picks, strict=True)]

@@ -30,6 +30,7 @@ from training.stage1_fanout.ranker import (
     coverage,
     fit,
     learned_rows,
+    served_sizes,
     tune,
 )
 
@@ -64,7 +65,8 @@ def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHA
     words, *rows = learned_rows(bundle, encoder, sizes, train, held_out_items(bundle_dir),
                                 config.words)
     blocks = split_rows(*rows)
-    features = MentionFeatures(bundle, sizes, words)  # one per curve: its caches kept
+    served = served_sizes(config)
+    features = MentionFeatures(bundle, served, words)  # one per curve: its caches kept
     curve = []
     plan = [(s, d) for s in shares for d in range(draws if s < 1 else 1)]
     for share, draw in tqdm(plan, desc="ranker curve", unit="fit"):
@@ -73,7 +75,7 @@ def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHA
         booster = fit(np.concatenate([blocks[i][0] for i in chosen]),
                       np.concatenate([blocks[i][1] for i in chosen]),
                       [len(blocks[i][1]) for i in chosen], config)
-        tried = tune(bundle, encoder, sizes, booster, val, config.redundancies, words,
+        tried = tune(bundle, encoder, served, booster, val, config.redundancies, words,
                      baseline=False, report=False, features=features)
         best = max(tried, key=tried.__getitem__)
         on_split = tried[best] if split == "val" else coverage(

@@ -58,14 +58,16 @@ TRAIN_SETS = {"masked": masked_train, "disjoint": disjoint_train}
 class RankerTrainConfig:
     """LightGBM's lambdarank settings and the redundancy weights tried on val."""
 
-    rounds: int = 300
+    rounds: int = 150  # no fewer: val lost nothing at this many (docs/experiments.md)
     learning_rate: float = 0.05
     leaves: int = 15
     min_data_in_leaf: int = 20
     truncation: int = 20  # lambdarank_truncation_level: the top of each list matters
     redundancies: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0)
     hybrid: int = 50
-    mentions: int = 300
+    mentions: int = 300  # per train query: a broad word's far mentions are negatives to learn
+    # per served query: its picks come from the nearest mentions, and each row costs a score
+    served_mentions: int = 60
     seed: int = 0
     # serve the label-free order instead where it measures at least as well on val
     label_free_baseline: bool = True
@@ -73,6 +75,11 @@ class RankerTrainConfig:
     words: int = 30  # the most frequent words either side of a mention it tells apart, per side
     cat_smooth: float = 20.0  # LightGBM's smoothing of a categorical word's statistics
     min_data_per_group: int = 50  # rows a word needs to be split on
+
+
+def served_sizes(config: RankerTrainConfig) -> CandidateSizes:
+    """The candidates a served query is scored over (ranker.json's `sizes`)."""
+    return CandidateSizes(config.hybrid, config.served_mentions)
 
 
 def ranker_stage_config(config: RankerTrainConfig) -> dict[str, Any]:
@@ -193,7 +200,7 @@ def train_ranker(bundle_dir: Path, config: RankerTrainConfig = RankerTrainConfig
         words, *rows = learned_rows(bundle, encoder, sizes, train, held_out_items(bundle_dir),
                                     config.words)
         booster = fit(*rows, config)
-    tried = tune(bundle, encoder, sizes, booster, val, config.redundancies, words,
+    tried = tune(bundle, encoder, served_sizes(config), booster, val, config.redundancies, words,
                  config.label_free_baseline)
     served = max(tried, key=lambda c: -np.inf if np.isnan(tried[c]) else tried[c])
     if served.model is None:
