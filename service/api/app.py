@@ -1,10 +1,8 @@
 """The HTTP API: `create_app(settings) -> FastAPI`.
 
-Start-up loads the bundle in the background (verify, load runtimes, warm up every path);
-/healthz answers at once, /readyz turns 200 when warm-up ends and lists the routes served.
-With `watch_s` set, a bundle that is still being built is reloaded as each stage lands.
-Errors become HTTP in service/api/errors.py, in one place, with one JSON envelope; the served
-state and its lifecycle live in service/api/state.py; this module builds the app and its routes.
+Start-up loads the bundle in the background, so /healthz answers at once and /readyz turns 200
+when every path is warm; `watch_s` reloads a bundle still being built as each stage lands.
+Errors map to HTTP in service/api/errors.py; the served state lives in service/api/state.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""ASGI middleware of the service: request ids and access logs, and request-body guards.
+"""ASGI middleware: request ids and access logs, and guards that refuse before any parsing.
 
-- RequestContext: takes `X-Request-ID` from the caller (or makes one), exposes it to every
-  log line through a context variable, echoes it in the response, and logs one JSON access
-  line per request.
-- AdmissionGate: refuses retrieval requests beyond `max_in_flight`, or far beyond the
-  concurrency the service has been answering, with an immediate 429 before any body is read or
-  parsed, so shedding load costs next to nothing; a request counts once its body has arrived,
-  so clients trickling bodies hold no slot.
-- BodyGuard: reads POST bodies up to `max_body_bytes` (413 beyond, chunked bodies included)
-  and refuses bodies that are not UTF-8 (400), before any parsing; then replays the body.
+- RequestContext: the caller's `X-Request-ID` (or a new one) on every log line and the response.
+- AdmissionGate: an immediate 429 past `max_in_flight`, a request counted once its body has
+  arrived, so shedding load costs next to nothing and a trickling client holds no slot.
+- BodyGuard: 413 past `max_body_bytes` (chunked bodies included), 400 for a body not UTF-8.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""uvicorn's HTTP protocol with a deadline for receiving each request.
+"""uvicorn's HTTP protocol with a deadline for receiving each request (408 past it).
 
-Hand-written because uvicorn has none: `timeout_keep_alive` covers only idle time between
-requests and restarts on every byte, and ASGI middleware runs only once the headers are parsed,
-so a client trickling its headers or body would hold a connection forever (slowloris). The
-deadline runs from the connection's opening, and from the first byte of each later request on
-it, to the end of that request's body; past it the client gets a 408 and the connection closes.
+Hand-written because uvicorn has none: `timeout_keep_alive` restarts on every byte and ASGI
+middleware runs only after the headers, so a client trickling them would hold a connection
+forever (slowloris). The deadline runs from a request's first byte to the end of its body.
 """
 
 from __future__ import annotations

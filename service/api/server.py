@@ -1,10 +1,8 @@
 """`r4t serve`: uvicorn running `create_app(settings)`, logging one JSON object per line.
 
-Every log line carries the request id of the request it belongs to (see service.api.middleware).
-Settings come from `R4T_*` environment variables; the command's flags override them.
-`r4t serve --build` also runs `r4t bundle` in a child process and serves whatever the bundle
-holds as each stage lands (the `single` route once the catalog exists), so a fresh machine
-answers within minutes instead of after the whole offline job.
+Every line carries its request's id (service.api.middleware); settings come from `R4T_*`, the
+flags over them. `--build` runs `r4t bundle` in a child process and serves each stage as it
+lands, so a fresh machine answers within minutes instead of after the whole offline job.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Artifact bundles: `models/<name>/manifest.json` plus the files it lists with their sha256.
 
-A bundle is written stage by stage (catalog, index, benchmark, then the models); each stage's
-files are moved in and the manifest is replaced atomically last, so a bundle on disk is
-either consistent or refused on load with a clear reason.
-
-Each stage's record holds its `config_hash` and its `inputs`: the hash of every stage it read
-(STAGE_INPUTS) when it was built. A stage is current only while its config is the one it
-would be built with now and each input is still the record it was built from
-(`stage_status`). While `training.pipeline.build_bundle` runs it keeps `build.json` up to
-date (read by service/artifacts/progress.py).
+A stage's files are moved in and the manifest replaced atomically last, so a bundle on disk is
+consistent or refused with a reason. A stage is current while its config is today's and each
+input (STAGE_INPUTS) is the record it was built from (`stage_status`); a build keeps
+`build.json` up to date for service/artifacts/progress.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""The catalog's lexical index: SQLite FTS5 over item texts, ranked by BM25.
+"""The catalog's lexical index: SQLite FTS5 over item texts, ranked by BM25 (bm25s, in memory).
 
-Dense neighbours of a broad query are its near-synonyms; the items whose text *mentions* the
-query reach much more of what it covers. FTS5 ships inside Python's sqlite3 and keeps the
-index in one file (checksummed with the bundle), so no extra engine is needed; bm25s ranks
-over its postings in memory (`LexicalIndex`). Tokens: Unicode-aware words with Porter
-stemming, so "instruments" finds "instrument"; nothing here knows the catalog's text format.
-Words in more than MAX_DF of the catalog's texts ("of", "the" in English glosses) are dropped
-from a query that has other words: they rank nothing, and scoring their tens of thousands of
-matches costs 100× a rare word's lookup ("head of state": 250 ms). The list is the catalog's
-own, computed when the index is built.
+A broad query's dense neighbours are near-synonyms; the texts that *mention* it reach what it
+covers. FTS5 ships in Python's sqlite3 as one checksummed file: no extra engine. Tokens are
+Porter-stemmed Unicode words; the catalog's most frequent words are dropped from a query that
+has others, as they rank nothing and cost far more than a rare word to score.
 """
 
 from __future__ import annotations

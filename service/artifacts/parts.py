@@ -1,10 +1,8 @@
 """The item side compiled offline: per item, the embeddings of parts of its text (its name, its
-first name's head word, the first words of its description, ...), written by the catalog stage.
+first name's head word, its description's first words), written by the catalog stage.
 
-A broad query's members are told by *where* its words sit in an item's text ("tent: a portable
-shelter"), which one embedding of the whole text averages away. A query's cosine to each part
-keeps it, at P dot products per candidate: the diffusion student's context reads them, so it
-needs no ranker at serve time.
+Where a query's words sit in an item's text ("tent: a portable shelter") tells its kind, and one
+embedding of the whole text averages that away; a cosine per part keeps it without a ranker.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""The AR path's third backend: a pretrained LLM from a GGUF file, decoded in-process by
-llama.cpp (llama-cpp-python), loaded from a bundle's `llm/` folder (`model.gguf`, `llm.json`).
+"""The AR path's pretrained-LLM backend: a GGUF from the bundle's `llm/` folder, decoded
+in-process by llama.cpp (llama-cpp-python).
 
-The backend reads the project's prompt (query and catalog line, service.fanout.format), turns it
-into the mode's chat (service.fanout.instruction), rendered by the GGUF's chat template or as a
-plain few-shot transcript, and decodes under the mode's GBNF grammar, so every answer is the
-lines the path parses; in names mode one line at a time among the names not yet written, so its
-k names are distinct. llama.cpp decodes one sequence at a time: a batch is
-a loop, its cost linear in the batch (what Figure 5's AR curve measures). Greedy by default.
+It reads the project's prompt as the mode's chat (service.fanout.instruction) and decodes under
+the mode's GBNF grammar, so every answer is lines the path parses (distinct names in names mode).
+llama.cpp decodes one sequence at a time: a batch is a loop, its cost linear in its size.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Candidate generation: the catalog rows a fan-out may choose from, by source.
+"""Candidate generation by source: "dense" (one FAISS search), "lexical" (BM25 over the texts
+sharing a word with the query) or "hybrid" (the two fused by reciprocal rank).
 
-- "dense": the query's nearest items (one FAISS search);
-- "lexical": the items whose text shares a word with the query, best BM25 first (the bundle's
-  `lexical.sqlite`, service.artifacts.lexical);
-- "hybrid": the two fused by reciprocal rank (RRF, k=60), so an item found by both comes first.
 One definition for the teacher's prompt, the student's context, the service and evaluation: a
-policy or sampler records its source (`candidates` in folm.json / diffusion.json) and every one
-of them builds its `Candidates` from that record.
+policy or sampler records its source (`candidates`) and builds its `Candidates` from it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Autoregressive fan-out decoding with ONNX Runtime and a key/value cache (numpy only).
 
-Loads a bundle's `folm/` (or `folm-warmstart/`) folder: `model.onnx` (see
-training/stage1_fanout/export.py for its inputs and outputs), `tokenizer.json` and `folm.json`.
-Callers build the prompts (service.fanout.format.PromptBuilder). Prompts are left-padded; one prompt
-pass fills the cache, then one token per step for the whole batch until every row has produced
-<eos>, its k-th line break (a stop sequence, like vLLM's `stop`: a fan-out is exactly k lines,
-so an eleventh line is cut, not decoded) or the token budget. With a stop, the fan-out's grammar
-is also enforced on the logits (like vLLM's guided decoding): no <eos> before the k-th line and
-no empty line, so a row that would end early writes its missing lines instead. With a
-`NameConstraint` (service/fanout/trie.py) every line is moreover a catalog name, decoded through a
-prefix tree of the prompt's catalog names (or of the whole catalog).
+Loads `folm/` (model.onnx, tokenizer.json, folm.json); prompts are left-padded, one pass fills
+the cache, then one token per step for the batch. A fan-out is exactly k lines, so a row stops
+at its k-th line break (like vLLM's `stop`) under the line grammar enforced on the logits; a
+`NameConstraint` (service/fanout/trie.py) keeps every line a catalog name.
 """
 
 from __future__ import annotations
@@ -146,12 +140,9 @@ class FanoutDecoder:
     ) -> list[Generation]:
         """Decode one completion per prompt (greedy at temperature 0).
 
-        A row stops at <eos> or at its `max_lines`-th line break (default: the fan-out's k;
-        0 = no stop), and its text is cut before that break. `enforce_lines` (with a stop) masks
-        <eos> before the last line and line breaks on an empty line (`line_grammar`); `names`
-        (with a stop) applies that grammar whatever `enforce_lines` says and moreover keeps
-        every line a catalog name (`service.fanout.trie.name_grammar`). Past `deadline`
-        (time.monotonic()), DeadlineError between two steps.
+        A row stops at <eos> or its `max_lines`-th line break (default k; 0: no stop), its text
+        cut before it. `enforce_lines` masks <eos> before the last line and empty lines; `names`
+        also keeps every line a catalog name. Past `deadline` (monotonic), DeadlineError.
         """
         if not prompts:
             return []

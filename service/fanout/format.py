@@ -1,16 +1,9 @@
 """The fan-out text format shared by the policy's training and the service's AR path.
 
-Prompt: "query: <query text>\ncatalog: <name>; <name>; …\nfan-out:\n"; completion: exactly k
-sub-queries, one per line, then the end-of-sequence token. Parsing is strict: anything else is
-malformed, and a malformed completion's missing slots score 0 in the reward (see
-service/fanout/reward.py).
-
-The catalog line is retrieval-augmented context: the names of the query's N first candidates
-(N is the policy's `context` and the source its `candidates`, both recorded in folm.json; 0 drops
-the line). A 4B FOLM knows
-the world; our from-scratch policy does not, so it selects and rewrites from the query's
-neighbourhood instead of recalling from nothing (without it the policy never conditioned on
-the query: alignment 0.10 against 0.67 for the dense query).
+The prompt's lines are `query: <text>`, `catalog: <name>; ...` and `fan-out:`; the completion is
+exactly k lines, parsed strictly (a malformed slot scores 0 in service/fanout/reward.py). The
+catalog line names the query's first candidates (folm.json's `context`, `candidates`): a
+from-scratch policy selects from the query's neighbourhood, as it cannot recall from nothing.
 """
 
 from __future__ import annotations

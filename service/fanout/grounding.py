@@ -1,11 +1,9 @@
 """Sub-query grounding: a sub-query that is exactly a catalog item's name stands for that item.
 
-The fan-out LM writes item names (service/fanout/trie.py keeps its lines to them). Embedding a bare
-name loses the item it came from: a first lemma's text vector finds its own item first for only
-49% of WordNet nouns (cosine 0.67 to it), since names are short and shared. So a sub-query equal
-to a name (case and spacing aside) is resolved by lookup, like an id: its probe is that item's
-embedding — among items sharing the name, the one nearest the query. Any other text is embedded
-and searched as before. Serving, the reward, synthesis and evaluation all resolve through here.
+Embedding a bare name loses its item (short names are shared), so a sub-query equal to a name
+(case and spacing aside) resolves by lookup, like an id: its probe is that item's embedding,
+the one nearest the query among items sharing the name. Serving, the reward, synthesis and
+evaluation all resolve through here.
 """
 
 from __future__ import annotations

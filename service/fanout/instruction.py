@@ -1,13 +1,9 @@
-"""What a pretrained chat LLM reads and may write when it is the fan-out policy (the `llm/`
-route): an instruction per mode, one hand-written example turn, and a GBNF grammar that makes
-its answer exactly the lines the AR path parses (llama.cpp enforces it while decoding).
+"""What a pretrained chat LLM reads and may write as the fan-out policy (the `llm/` route): an
+instruction per mode, one hand-written example turn, and a GBNF grammar for its answer.
 
-Modes:
-- "names": choose k of the prompt's catalog names (the project's 24 hybrid candidates);
-- "free": write k kinds of the query from what the model knows (no catalog names);
-- "multiquery": LangChain MultiQueryRetriever's prompt (DEFAULT_QUERY_PROMPT, whitespace
-  normalised): alternative phrasings whose nearest items are unioned (the peers' baseline).
-The examples are no benchmark query; their answers are written by hand, not from any label.
+Modes: "names" (k of the prompt's catalog names), "free" (k kinds of the query from what the
+model knows), "multiquery" (LangChain MultiQueryRetriever's prompt: the peers' baseline). The
+examples are no benchmark query, their answers written by hand, not from any label.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """What the catalog's own text says about a query's candidates: the `ranked` route's inputs.
 
-A broad query's members rarely sit near it in embedding space ("camp" → "campsite"), but their
-texts name it, and where they name it says how: WordNet's "tent: a portable shelter ..." is a
-kind of shelter because "shelter" is the head of its gloss, and the words around the mention say
-more ("any dog of", "not communicable"). Candidates are the hybrid list
-(service.fanout.candidates) and the items whose text holds every word of the query, the nearest
-`mentions` of them by embedding; each gets one feature row (FEATURES). One definition for the
-ranker's training (training/stage1_fanout/ranker.py), its evaluation and the served route.
+A broad query's members rarely sit near it in embedding space, but their texts name it, and
+where ("tent: a portable *shelter*") and beside what ("any *dog* of") says how. Candidates are
+the hybrid list and the nearest items whose text holds every query word; each gets a row of
+FEATURES, one definition for the ranker's training, its evaluation and the served route.
 """
 
 from __future__ import annotations

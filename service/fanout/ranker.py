@@ -1,12 +1,9 @@
 """The `ranked` route's chooser: score each candidate (service.fanout.mentions), then pick k
-greedily, each pick's score lowered by its redundancy (highest cosine to an item already
-picked) times `redundancy`: a set spread over a query's branches, not its best ten.
+greedily, each score lowered by `redundancy` times its highest cosine to an earlier pick: a
+set spread over a query's branches, not its best ten.
 
-The scorer is the bundle's `ranker` stage: a LightGBM lambdarank model trained on the labeled
-train queries (training/stage1_fanout/ranker.py), or, for a catalog whose benchmark has no
-labels, the label-free mention order (an early mention of the query, then similarity).
-LightGBM trains it (a well-kept ranker whose text model file any version reads); lleaves
-compiles that file for serving (service.fanout.booster).
+The scorer is the `ranker` stage's LightGBM lambdarank model (compiled for serving by
+service.fanout.booster), or, without labels, the label-free mention order.
 """
 
 from __future__ import annotations

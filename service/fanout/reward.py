@@ -1,14 +1,9 @@
 """The composite fan-out reward, vectorised over a group of candidates (numpy only).
 
-R(q, Q) = w_g·groundedness + w_d·diversity + w_a·alignment, weights 0.6/0.2/0.2 (paper §2.2):
-- groundedness: mean over the k slots of max(0, cos(sub-query, nearest catalog item));
-- diversity: Vendi score of the slots' top-1 items, normalised to [0, 1] as (VS − 1)/(k − 1);
-- alignment: mean over the k slots of max(0, cos(sub-query, query));
-- aboutness (not in the paper; weight 0 in its composite): share of the k slots whose item's text
-  the lexical index matches to the query (`about`, given per slot by the caller): computed on
-  what a sub-query retrieves, not on its vector.
-A slot that is missing, empty or a duplicate of an earlier slot is invalid and scores 0 on
-every term, so malformed candidates score low by construction.
+R(q, Q) = w_g·groundedness + w_d·diversity + w_a·alignment (paper §2.2), each over the k slots
+(diversity: the normalised Vendi score of their top-1 items); `aboutness`, ours, scores what a
+slot retrieves against the lexical index. A missing, empty or repeated slot scores 0 on every
+term, so malformed candidates score low by construction.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Catalog-name decoding: a token-level prefix tree that keeps every fan-out line an item name.
 
-Generative retrieval decodes through a prefix tree of the valid outputs (GENRE, De Cao et al.
-2021; TIGER) so that every generated identifier exists. Here each fan-out line is decoded as
-one catalog item name, token by token, so a sub-query is never a misspelt non-word: a line can
-only grow along the tree and only end (line break, or <eos> on the last line) where a name ends,
-and a name already written in the same fan-out cannot end again (repeats score 0 in the reward).
-Both runtimes use `name_grammar`: the service's ONNX decoder keeps each row's node as it decodes;
-the Hugging Face processor (training/stage1_fanout/grammar.py) replays each row's tokens
-(`NameTrie.replay`).
-Hand-written: the allowed names change with every prompt (its 16 nearest), and guided-decoding
-libraries (outlines, lm-format-enforcer) compile an automaton per pattern; a trie of a prompt's
-names costs a few hundred tokens to build, and it stays numpy-only, like the service.
+As in generative retrieval (GENRE, TIGER), a line grows only along the tree and ends only where
+a name ends, and a name already written cannot end again; both runtimes use `name_grammar`.
+Hand-written: the names change with every prompt, and guided-decoding libraries compile an
+automaton per pattern, while a prompt's trie costs a few hundred tokens and stays numpy-only.
 """
 
 from __future__ import annotations

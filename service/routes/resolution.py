@@ -1,12 +1,9 @@
 """Resolving probes (generated rows or sub-query embeddings) to k distinct catalog items.
 
-`resolve_items` (probes against the catalog) and `resolve_in_context` (a diffusion student's
-rows against the items it chose among) are the resolutions every route, the evaluation harness
-and the benchmark share. Probes claim items round-robin: in each round the probes, most
-confident first, claim their best neighbour not yet taken (with k = number of probes: one item
-each, the most confident keeping its top-1); later rounds give each probe its next-best
-neighbour until k items are claimed. Slots still empty are filled from the query's own dense
-neighbours and reported as such (slot None).
+`resolve_items` (against the catalog) and `resolve_in_context` (a student's rows against the
+items it chose among) are shared by every route, the evaluation and the benchmark. Probes claim
+items round-robin, most confident first; slots still empty are filled from the query's own
+dense neighbours and reported as such (slot None).
 """
 
 from __future__ import annotations
@@ -107,11 +104,9 @@ def resolve_items(
 ) -> tuple[list[Selection], np.ndarray]:
     """For each query i: probes[i] (P_i, d) → ks[i] distinct items; queries (Q, d) fill gaps.
 
-    max_rounds[i] caps the claims per probe of query i (e.g. 1: one item per sub-query,
-    every other slot from the query's dense neighbours); wheres[i] is its metadata filter,
-    applied in every search of its items (the engine's, service.runtime.filters).
-    Returns the selections and each query's groundedness: the mean over its probes of
-    max(0, cos(probe, nearest item)) (0 when it has no probe).
+    max_rounds[i] caps the claims per probe (1: one item per sub-query); wheres[i] is the
+    metadata filter of every search. Returns the selections and each query's groundedness,
+    the mean over its probes of max(0, cos(probe, nearest item)) (0 without probes).
     """
     caps = max_rounds if max_rounds is not None else [None] * len(ks)
     filters = wheres if wheres is not None else [None] * len(ks)
@@ -238,13 +233,10 @@ def lead_with_nearest(index: VectorIndex, selections: list[Selection], queries: 
 def first_distinct_rows(index: VectorIndex, rows: np.ndarray, keep: int,
                         context: np.ndarray | None = None) -> np.ndarray:
     """(Q, R, d) rows in priority order → (Q, keep, d): per query, the rows whose items are the
-    first `keep` distinct ones; a row whose item an earlier row already has gives way to later
-    rows, and fills in, in order, only when too few distinct items are found.
-
-    A row's item is its nearest of the query's context items (Q, C, d) when given (the student
-    picks among them, and a few dot products per row cost nothing), else its nearest catalog
-    item. With several draws of the sampler concatenated draw after draw, a row of the first
-    draw that collides is replaced by the next draws' rows (the teacher never repeats an item).
+    first `keep` distinct ones; a repeat gives way to later rows and fills in only when too few
+    distinct items are found. A row's item is its nearest context item (Q, C, d) when given,
+    else its nearest catalog item; with draws concatenated, a colliding row of the first draw
+    is replaced by the next draws' rows.
     """
     q, r, d = rows.shape
     if context is not None:

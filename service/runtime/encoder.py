@@ -1,12 +1,9 @@
 """Text encoder shared by the offline job and the service: a bundle setting (manifest `encoder`).
 
-- WordLlama (the default), Matryoshka-truncated: its 256-d weights ship inside the wheel; we
-  point `cache_dir` at the package folder and disable downloads, so nothing is fetched from a
-  hub at run time.
-- A transformer sentence encoder exported to ONNX into the bundle's `encoder/` folder (model,
-  tokenizer.json, encoder.json; training.data.encoder): run in ONNX Runtime with the
-  `tokenizers` library, so the service needs no torch. The catalog stage embeds the catalog
-  with this same object, so items and queries come from one definition.
+WordLlama (the default, Matryoshka-truncated) loads its weights from its own wheel, downloads
+off; a sentence transformer exported to ONNX in the bundle's `encoder/` runs in ONNX Runtime with
+`tokenizers`, so the service needs no torch. Items and queries are embedded by this one
+object.
 """
 
 from __future__ import annotations

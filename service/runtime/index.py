@@ -1,11 +1,8 @@
-"""The catalog's vector index: the backend interface every path searches, and FAISS in-process.
+"""The catalog's vector index: the interface every path searches, and FAISS in-process.
 
-`VectorIndex` is what retrieval paths, the reward, synthesis and evaluation search through:
-top-k for many vectors at once, optionally under a metadata filter, vectors fetched by row,
-and a health check. Two backends: `FaissIndex` (in-process, any FAISS `index_factory` string,
-e.g. "HNSW32", "IVF1024,PQ16"; exact inner product by default) and
-`service.runtime.milvus.MilvusIndex` (an external engine). Vectors are unit-norm, so inner
-product is cosine similarity.
+`VectorIndex`: top-k for many unit vectors at once (inner product is cosine), under an optional
+metadata filter, vectors by row, and a health check. Backends: `FaissIndex` (any FAISS
+`index_factory` string) and `service.runtime.milvus.MilvusIndex` (an external engine).
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ from service.runtime.filters import RowFilter, Where
 EXACT = "Flat"
 # FAISS's `distance_compute_blas_threshold` picks exact search's kernel; NO_BLAS is the
 # faiss-cpu wheel's own setting. The BLAS kernel is slower per probe for calls of few probes and
-# faster for many, so calls of fewer than BLAS_FROM probes keep the wheel's setting
-# (docs/experiments.md).
+# faster for many, so calls of fewer than BLAS_FROM probes keep the wheel's setting.
 BLAS_THRESHOLD = 16
 BLAS_FROM = 8
 NO_BLAS = 128_000

@@ -1,15 +1,9 @@
-"""The catalog in Milvus: the `VectorIndex` backend for an external engine (pymilvus's
-`MilvusClient`), so that replicas hold no index (they keep the item store: texts, metadata and
-the embeddings that the diffusion context and name grounding read).
+"""The catalog in Milvus (pymilvus's `MilvusClient`): replicas hold no index, only the item store.
 
-The same code serves Milvus Lite (one machine, tests), Milvus standalone and a cluster: only
-the URI differs. `r4t index milvus://host:port/collection` loads a bundle's catalog into a
-collection (`training.data.engine`) and records it in the bundle's manifest (stage "milvus":
-URI, collection, the catalog's checksum). Every connection verifies that the collection holds
-that catalog (its `r4t.checksum` property and its row count) and refuses any other.
-Every call carries a timeout: an engine that is down or slow is an `IndexUnavailableError`
-(503 with the reason), never a hang; the client is rebuilt after a failure, so the service
-recovers as soon as the engine answers again.
+One code for Milvus Lite, standalone and a cluster: only the URI differs. `r4t index` loads a
+collection and records it in the manifest; every connection checks that it holds that catalog
+(checksum, row count). Every call has a timeout: a down engine is an `IndexUnavailableError`
+(503), never a hang, and the client is rebuilt after a failure.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The diffusion retriever's runtime: the exported whole-solver ONNX graph, numpy in and out.
 
-`diffusion/sampler.onnx` maps query embeddings (B, d) and standard-normal noise (B, L, d) to
-L generated unit rows per query in one `session.run`; resolving rows to catalog items is
-`service.routes.resolution.resolve_in_context` (`resolve_items` for a model without context).
-A model with a context (`context` = C in diffusion.json) also takes the embeddings of C
-catalog items per query (B, C, d), best first:
-its nearest, or those its fan-out prompt names (`context_source`), as
-`service.routes.diffusion.DiffusionContext` looks them up. Several draws per query (`draws`)
-are the caller's: `service.routes.diffusion.draw_rows`. ONNX Runtime's CUDA provider is used
-when available. `diffusion/step.onnx` (one denoiser evaluation) is not run here: samplers
-with other schedules are composed from it (`training.stage3_diffusion.export.compose_sampler`).
+`diffusion/sampler.onnx` maps query embeddings (B, d), noise (B, L, d) and, for a model with a
+context, its items' vectors to L unit rows per query in one `session.run`, which
+service.routes.resolution resolves to items. CUDA is used when available; `step.onnx` (one
+denoiser evaluation) composes other samplers offline.
 """
 
 from __future__ import annotations

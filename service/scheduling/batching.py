@@ -1,14 +1,9 @@
 """Dynamic batching: one batcher per retrieval path, owning a bounded asyncio queue.
 
-A batch is what is queued when the worker frees, up to `max_batch_size` requests: under load
-requests queue while the worker computes, so batches grow with the load and a lone request
-never waits for company (as in TEI's continuous batching). With `max_wait_ms` > 0, a batch
-that is not full also waits that long after its first request for more. Each
-request awaits its own future; requests whose caller went away (future cancelled) or whose
-deadline passed are dropped before compute. The compute function runs in the batcher's own
-worker thread, off the event loop, one batch at a time. A batch failing with an error a
-request's data can cause (REQUEST_ERRORS) is computed again request by request, so one bad
-request fails only itself.
+A batch is what is queued when the worker frees, so batches grow with the load and a lone
+request never waits (as in TEI); requests cancelled or past their deadline are dropped before
+compute, which runs in the batcher's thread off the event loop. A batch failing on a request's
+data (REQUEST_ERRORS) is recomputed request by request, so a bad request fails only itself.
 """
 
 from __future__ import annotations
@@ -106,16 +101,12 @@ class Batcher(Generic[P, R]):
         return self._computing_since is not None or not self._queue.empty()
 
     def expected_wait_s(self) -> float:
-        """Time a request submitted now waits before its batch starts: what is left of the batch
-        in compute at the measured batch time, and the requests queued ahead at the measured
-        compute time per request (both EWMAs, so they follow batches as they grow with the
-        load; per request, because a path whose batches cost in proportion to their size, as
-        AR decoding does, would otherwise admit a batch it cannot finish in time), plus
-        `max_wait_ms`. An idle path has nothing else. The batch in compute is expected to take
-        the longer of the batch time and its size at the time per request; past STALL_FACTOR
-        times that, it counts as running on for as long again as it has overrun, so a stall
-        reads as a growing wait (and admission refuses) rather than as a batch about to finish,
-        while a batch that is merely slower than expected, as on busy cores, does not."""
+        """Time a request submitted now waits before its batch starts: the rest of the batch in
+        compute plus the queue ahead at the measured time per request (EWMAs; per request, as AR
+        batches cost in proportion to their size), plus `max_wait_ms`. A batch past STALL_FACTOR
+        times its expected time counts as running on as long again as it has overrun, so a stall
+        reads as a growing wait (admission refuses) and a merely slow batch does not.
+        """
         queued = self._queue.qsize() * self.item_s_estimate
         computing = 0.0
         if self._computing_since is not None:  # what is left of the batch in compute

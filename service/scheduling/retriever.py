@@ -1,12 +1,9 @@
-"""The served state: one loaded bundle with its paths, batchers and router, swapped whole
-on reload. A bundle with only its catalog serves the `single` route; the AR route needs stage 1
-(or a pretrained GGUF policy in llm/, `r4t llm`), diffusion stage 3. It answers a request by its
-A/B arm (a narrow query asked with route=auto goes to `single` instead: the fan-out trigger,
-service/scheduling/trigger.py) and falls back from the diffusion route to ar (or, without it, to
-`single`) when diffusion is unavailable, fails, or fails the quality gate (groundedness below
-the threshold), and from any other failing route to `single`; every fallback is counted by
-reason. A route too busy to answer in time refuses (429) instead: the slower AR path would not
-do better. The paths it serves are built by service/scheduling/assembly.py.
+"""The served state: one loaded bundle with its paths, batchers and router, swapped whole on
+reload (its paths built by service/scheduling/assembly.py).
+
+A request goes to its A/B arm (route=auto sends a narrow query to `single`: trigger.py); a
+failing or ungrounded diffusion answer falls back to ar (else `single`), any other failing route
+to `single`, each counted by reason; a route too busy to answer in time refuses (429).
 """
 
 from __future__ import annotations

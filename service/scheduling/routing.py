@@ -1,11 +1,8 @@
-"""A/B routing between the retrieval paths.
+"""A/B routing between the retrieval paths, weights from settings (e.g. `ranked=0.9,ar=0.1`).
 
-Weights come from settings (e.g. `diffusion=0.9,ar=0.1`). A request with a `user_id` is
-assigned by a stable hash of it (the same user always lands in the same arm, across
-processes and restarts); without one the arm is drawn at random. A request naming a route
-overrides the weights and is labelled arm "override". Arms whose route is not loaded are
-left out and the remaining weights renormalised; when none is loaded, every request goes to
-the best route that is (ROUTE_ORDER): a bundle still being built serves what it has.
+A `user_id` picks its arm by a stable hash (the same arm across processes and restarts); without
+one the arm is random; a named route overrides the weights (arm "override"). Arms not loaded
+are left out and the weights renormalised; with none, the best loaded route (ROUTE_ORDER).
 """
 
 from __future__ import annotations

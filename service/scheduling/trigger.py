@@ -1,15 +1,9 @@
 """When to fan out: `route=auto` answers a narrow query with `single` and fans out a broad one.
 
-A narrow query ("golden retriever") wants the item it names and its close kin; ten
-complementary items only pay for a broad one ("vehicle"). The score is the query's breadth in
-the catalog: ln(1 + the number of item texts that hold every searched word of the query), a
-searched word being one the catalog uses and not among its most frequent (a typo or a word
-no text has is left out rather than making every query that holds it narrow). A
-broad query is the genus that many items' descriptions name; a narrow one few or none. It
-reads the catalog's lexical index only (no labels, no model), in microseconds. The threshold is
-chosen where fanning out pays on the mixed val split (`r4t eval --trigger-curve`). A query the
-trigger fans out is answered leading with its own `lead` nearest items, so a narrow query judged
-broad still gets the item it names first; a request that asks for a fan-out gets it pure.
+Ten complementary items pay only for a broad query ("vehicle"), not a narrow one ("golden
+retriever"). Breadth is ln(1 + texts holding every searched word), from the lexical index alone
+(microseconds, no labels); the threshold is chosen on val (`r4t eval --trigger-curve`). A query
+fanned out leads with its own `lead` nearest items, so a narrow one judged broad keeps its item.
 """
 
 from __future__ import annotations

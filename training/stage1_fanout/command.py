@@ -71,8 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     folm.add_argument("--reward", default=GrpoConfig.reward, type=reward_mode,
                       help=f"one of {', '.join([*REWARD_MODES, LABEL_REWARD, 'ablation'])}, "
                       "or py:module:function, your f(query, item_texts) -> float. 'all' is "
-                      "the paper's composite; 'about' the label-free objective chosen on val "
-                      "(docs/experiments.md); 'label' a positive control: coverage of the "
+                      "the paper's composite; 'about' the label-free objective chosen on val; "
+                      "'label' a positive control: coverage of the "
                       "labeled train queries' groups")
     folm.add_argument("--steps", type=positive, default=None,
                       help="GRPO steps (default: the preset's)")

@@ -63,7 +63,7 @@ class GrpoConfig:
     # the label-free objective chosen on val (`r4t eval --ceilings`' objective table): "about"
     reward: str = "about"
     # on aboutness GRPO moves the warm start by ±0.002 coverage: few steps keep the default
-    # build within 75 min on 2 cores (docs/experiments.md)
+    # build short on 2 cores
     steps: int = 100
     queries_per_step: int = 4  # prompts per step; completions = queries × num_generations
     num_generations: int = 8  # the paper's group size
@@ -81,8 +81,7 @@ class GrpoConfig:
 
 # `--reward ablation`: free-text lines (under `context` decoding every line is a prompt name and
 # no collapse can be written); a lower lr with more prompts per step, since a higher lr on fewer
-# lowered each run's own reward (Adam turned the noisy gradient into a random walk;
-# docs/experiments.md).
+# lowered each run's own reward (Adam turned the noisy gradient into a random walk).
 ABLATION: dict[str, dict[str, Any]] = {
     "cpu": {"steps": 100, "lr": 1e-4, "queries_per_step": 16, "decoding": "lines"},
     "tiny": {"decoding": "lines"},

@@ -3,7 +3,7 @@
 A Qwen2-style config (grouped-query attention, RoPE, SwiGLU, RMSNorm, tied embeddings) with a
 byte-level BPE tokenizer trained with `tokenizers` on the catalog's texts and the training
 queries' texts (never val/test). Presets: `cpu` (the default, small enough that stages 1 and 2
-each fit a CPU build on 2 cores: docs/experiments.md) and `tiny` (tests, seconds). Any local
+each fit a CPU build on 2 cores) and `tiny` (tests, seconds). Any local
 Hugging Face causal-LM checkpoint can be named instead with `load_policy(path)` (a Qwen3 or
 Gemma 3 on disk: the accelerator recipe, docs/gpu.md); it is prompted as the default policy
 is. Nothing is ever downloaded.
@@ -45,7 +45,7 @@ class PolicyConfig:
     n_kv_heads: int = 2
     intermediate_size: int = 384
     max_positions: int = 256
-    max_new_tokens: int = 64  # k catalog names, one per line, with headroom (docs/experiments.md)
+    max_new_tokens: int = 64  # k catalog names, one per line, with headroom
     k: int = PROMPT_RECIPE.k
     context: int = PROMPT_RECIPE.context  # candidate catalog names in the prompt; 0 = none
     candidates: str = PROMPT_RECIPE.candidates  # their source (service/fanout/candidates.py)

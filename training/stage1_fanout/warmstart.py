@@ -54,7 +54,7 @@ FINAL = "final"
 class WarmStartConfig:
     preset: str = "cpu"
     lm_steps: int = 400
-    sft_steps: int = 2000  # the copy skill appears late in SFT (docs/experiments.md)
+    sft_steps: int = 2000  # the copy skill appears late in SFT
     batch_size: int = 32
     lm_seq_len: int = 64
     lr: float = 2e-3
@@ -62,11 +62,11 @@ class WarmStartConfig:
     extra_queries: int = 4000
     ranked: bool = True  # sampled names keep their similarity order (else shuffled)
     # τ of the context names' draw weights exp(−rank/τ); 0 = uniform. Chosen on val by the
-    # draws' own coverage@10, over the first k in order and uniform draws (docs/experiments.md)
+    # draws' own coverage@10, over the first k in order and uniform draws
     rank_decay: float = 2.0
     encoder_init: bool = True  # token embeddings start at the retrieval encoder's vectors
     seed: int = 0
-    threads: int = 2  # a second thread speeds up the context prompt's SFT (docs/experiments.md)
+    threads: int = 2  # a second thread speeds up the context prompt's SFT
 
 
 WARMSTART_PRESETS: dict[str, WarmStartConfig] = {
@@ -116,7 +116,7 @@ def sample_target(
 
     `decay` > 0 draws nearer names more often (successive draws ∝ exp(−rank/decay)): a uniform
     draw of k of the prompt's context names reaches fewer of a query's branches than the nearest
-    ones do (docs/experiments.md). `ranked` keeps them in similarity order (nearest first), which
+    ones do. `ranked` keeps them in similarity order (nearest first), which
     ties each line to the query far more predictably than a shuffled order; shuffled targets
     train a policy whose greedy lines ignore the query.
     """

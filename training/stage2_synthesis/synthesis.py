@@ -16,7 +16,7 @@ train split's queries alone.
 
 Backends: `local` (in this process, the default: the policy exported to ONNX and decoded
 by `service.fanout.decoding.FanoutDecoder` — what the service runs, and faster than HF
-`generate` on CPU: docs/experiments.md), `torch` (HF `generate` in this process, on the GPU if
+`generate` on CPU), `torch` (HF `generate` in this process, on the GPU if
 any), `http` (an OpenAI-compatible `/v1/completions` endpoint) and `vllm` (a vLLM server started
 on the policy for the run, the accelerator recipe's: docs/gpu.md; "lines" decoding as vLLM's
 regex). `local`, `http` and `vllm` are the service's own fan-out backends asked for n samples
@@ -68,10 +68,10 @@ TEACHERS = ("folm", "ranker", "oracle")  # `--teacher`: the policy, or stage2_sy
 @dataclass(frozen=True)
 class SynthesisConfig:
     # half the paper's 128, and half the extra queries' samples: stage 2 was the default
-    # build's longest stage (docs/experiments.md)
+    # build's longest stage
     samples_per_query: int = 64
     # Catalog names (no val/test query) as extra queries, `extra_samples` each: many more
-    # distinct conditions for the student at a small sampling cost (docs/experiments.md).
+    # distinct conditions for the student at a small sampling cost.
     # As many as the warm start's WarmStartConfig.extra_queries, not imported: it imports torch.
     extra_queries: int = 4000
     extra_samples: int = 8
@@ -113,9 +113,9 @@ class SynthesisConfig:
 
 SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
     # the ranker, the teacher that measured best on val, at T = 0 (its served answer): its
-    # student learned better from sharper blocks than from the paper's 0.9 or from 0.5
-    # (docs/experiments.md, 2026-12-04 late). A query's blocks are then copies: their counts
-    # only weight the train split's queries (64) over the extra names (8).
+    # student learned better from sharper blocks than from the paper's 0.9 or from 0.5. A
+    # query's blocks are then copies: their counts only weight the train split's queries (64)
+    # over the extra names (8).
     "cpu": SynthesisConfig(teacher="ranker", temperature=0.0),
     "tiny": SynthesisConfig(samples_per_query=6, extra_queries=0, max_new_tokens=48,
                             shard_queries=3, teacher="ranker"),

@@ -30,7 +30,7 @@ from training.stage2_synthesis.synthesis import SHARDS, SynthesisConfig, save_sh
 
 TERMS = ("reward", "ground", "diversity", "alignment")  # not scored here: zeros
 # the ranker's best 12: the teacher picks 10 of them, and so does its student (the best 16
-# and 24 measured lower on val, docs/experiments.md 2026-12-04 night II)
+# and 24 measured lower on val)
 RANKED_CONTEXT = 12
 AMONG = ("ranked", "nearest")  # the student's context: the ranker's best C, the C nearest
 

@@ -148,7 +148,7 @@ PRESETS: dict[str, DenoiserConfig] = {
     "paper": DenoiserConfig(hidden=1024, mlp=1024, layers=6, heads=16, rows=12),  # Table 3
     # Sized for 2 CPU cores; the context is the ranker's best RANKED_CONTEXT candidates, among
     # which its teacher chose (training/stage2_synthesis/teachers.py). Two blocks: four cost
-    # more and chose no better, half the width chose worse (docs/experiments.md, 2026-12-03).
+    # more and chose no better, half the width chose worse.
     "cpu": DenoiserConfig(hidden=128, mlp=512, layers=2, heads=4, context=RANKED_CONTEXT,
                           ordered=True, context_source="ranked",
                           candidates=PROMPT_RECIPE.candidates),
@@ -156,7 +156,7 @@ PRESETS: dict[str, DenoiserConfig] = {
     # no teacher at serve time: the query's STANDALONE_CONTEXT nearest items, each read with
     # its mention features (service.fanout.mention_context: where the query's words sit in its
     # text), chosen among by the ranker offline; it measured above the same context read
-    # through its parts' cosines (docs/experiments.md, 2026-12-06)
+    # through its parts' cosines
     "standalone": DenoiserConfig(hidden=128, mlp=512, layers=2, heads=4,
                                  context=STANDALONE_CONTEXT, ordered=True, mentions=True),
 }

@@ -85,7 +85,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     "paper": TrainConfig(model=preset("paper"), steps=10_000_000, batch=512, lr=1e-4,
                          warmup=5000, checkpoint_every=1000),
     # fits a CPU build; rows in their context's order copy the teacher's picks more faithfully
-    # than in its pick order (docs/experiments.md, 2026-12-05)
+    # than in its pick order
     "cpu": TrainConfig(model=preset("cpu"), steps=4500, target_order="context"),
     # trained where its one Euler step samples (σ_max = 1): ln σ ~ N(0, 0.5²); its item
     # scores toward the ranker's scores of the same items
