@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from service.fanout.candidates import Candidates
 from service.loopback import wait_ready
@@ -19,17 +18,7 @@ from tests.service.conftest import (
     live_server,
     wait_until,
 )
-
-
-def metric_samples(text: str, name: str) -> list:
-    return [s for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == name]
-
-
-def assert_k_unique(body: dict, k: int) -> None:
-    ids = [item["id"] for item in body["items"]]
-    assert len(ids) == k
-    assert len(set(ids)) == k
+from tests.service.scrape import assert_k_unique, metric_samples
 
 
 def test_readyz_is_503_until_warm_then_200(settings_for, completion_server):

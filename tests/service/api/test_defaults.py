@@ -19,7 +19,6 @@ from service.artifacts.bundle import Bundle, load_bundle, recorded_routes
 from service.routes import ROUTE_ORDER
 from service.runtime.index import IndexChoice
 from service.settings import FALLBACK_ROUTES, Settings, parse_weights
-from tests.service.api.test_app import assert_k_unique, metric_samples
 from tests.service.conftest import (
     ROWS,
     LiveServer,
@@ -29,15 +28,11 @@ from tests.service.conftest import (
     shipped_settings,
     wait_until,
 )
+from tests.service.scrape import assert_k_unique, metric
 
 SHIPPED = {name: field.default for name, field in Settings.model_fields.items()}
 NARROW = "zzyzx"  # a word no catalog text holds: breadth 0, below any positive threshold
 CACHE_NOTE = "fan-out from the expansion cache"
-
-
-def metric(client: httpx.Client, name: str, **labels: str) -> float:
-    samples = metric_samples(client.get("/metrics").text, name)
-    return sum(s.value for s in samples if all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.api.test_app import assert_k_unique
 from tests.service.conftest import add_diffusion_stage, live_server, wait_until
+from tests.service.scrape import assert_k_unique
 
 
 @pytest.fixture

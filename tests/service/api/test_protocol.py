@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import httpx
 
 from tests.service.conftest import WAIT_S, live_server, wait_until
-from tests.service.scheduling.test_overload import metric
+from tests.service.scrape import metric
 
 RECEIVE_TIMEOUT_S = 0.5
 

@@ -12,8 +12,8 @@ import pytest
 
 from service.artifacts.bundle import read_manifest, write_manifest
 from service.loopback import free_port
-from tests.service.api.test_app import assert_k_unique, metric_samples
 from tests.service.conftest import ADMIN_TOKEN, asked, live_server
+from tests.service.scrape import assert_k_unique, metric_samples
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 

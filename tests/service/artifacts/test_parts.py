@@ -3,17 +3,14 @@ import pytest
 
 from service.artifacts.parts import PARTS_FILE, ItemParts, context_features
 from service.errors import BundleError
-
-
-def unit(x: np.ndarray) -> np.ndarray:
-    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+from service.runtime.encoder import normalize
 
 
 def test_similarities_are_each_query_s_cosine_to_each_part_of_its_rows():
     rng = np.random.default_rng(0)
-    vectors = unit(rng.normal(size=(6, 3, 8))).astype(np.float16)
+    vectors = normalize(rng.normal(size=(6, 3, 8))).astype(np.float16)
     parts = ItemParts(("a", "b", "c"), vectors)
-    queries = unit(rng.normal(size=(2, 8))).astype(np.float32)
+    queries = normalize(rng.normal(size=(2, 8))).astype(np.float32)
     rows = np.array([[0, 5], [3, 3]])
     got = parts.similarities(rows, queries)
     assert got.shape == (2, 2, 3) and got.dtype == np.float32
@@ -25,9 +22,9 @@ def test_similarities_are_each_query_s_cosine_to_each_part_of_its_rows():
 
 def test_context_features_are_embeddings_then_cosines():
     rng = np.random.default_rng(1)
-    embeddings = unit(rng.normal(size=(6, 8))).astype(np.float32)
-    parts = ItemParts(("a", "b"), unit(rng.normal(size=(6, 2, 8))).astype(np.float16))
-    rows, queries = np.array([[1, 2, 4]]), unit(rng.normal(size=(1, 8))).astype(np.float32)
+    embeddings = normalize(rng.normal(size=(6, 8))).astype(np.float32)
+    parts = ItemParts(("a", "b"), normalize(rng.normal(size=(6, 2, 8))).astype(np.float16))
+    rows, queries = np.array([[1, 2, 4]]), normalize(rng.normal(size=(1, 8))).astype(np.float32)
     features = context_features(embeddings[rows], parts, rows, queries)
     assert features.shape == (1, 3, 10)
     np.testing.assert_array_equal(features[0, :, :8], embeddings[[1, 2, 4]])

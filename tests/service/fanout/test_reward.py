@@ -2,14 +2,11 @@ import numpy as np
 import pytest
 
 from service.fanout.reward import RewardWeights, reward_terms, subquery_mask, vendi_score
-
-
-def unit(rows: np.ndarray) -> np.ndarray:
-    return rows / np.linalg.norm(rows, axis=-1, keepdims=True)
+from service.runtime.encoder import normalize
 
 
 def test_vendi_of_identical_vectors_is_one():
-    x = np.tile(unit(np.array([[1.0, 2.0, 3.0]])), (5, 1))
+    x = np.tile(normalize(np.array([[1.0, 2.0, 3.0]])), (5, 1))
     assert vendi_score(x[None])[0] == pytest.approx(1.0)
 
 
@@ -36,7 +33,7 @@ def test_subquery_mask_marks_empty_and_duplicate_and_missing_slots():
 def perfect_candidate(k: int) -> tuple[np.ndarray, np.ndarray]:
     """k orthogonal probes sitting exactly on k items, query equally close to all."""
     probes = np.eye(k + 1)[1:]  # (k, k+1)
-    query = unit(np.ones(k + 1))
+    query = normalize(np.ones(k + 1))
     return query, probes
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from service.routes import ROUTE_ORDER
-from tests.service.api.test_app import assert_k_unique, metric_samples
 from tests.service.conftest import live_server
+from tests.service.scrape import assert_k_unique, metric_samples
 
 
 def fallback_count(client, reason: str) -> float:

@@ -8,15 +8,10 @@ import math
 import pytest
 
 from service.artifacts.bundle import load_bundle
-from tests.service.api.test_app import metric_samples
 from tests.service.conftest import MALFORMED_MARK, live_server
+from tests.service.scrape import metric
 
 NARROW = "zzyzx"  # a word no catalog text holds: breadth 0
-
-
-def metric(client, name: str, **labels: str) -> float:
-    samples = metric_samples(client.get("/metrics").text, name)
-    return sum(s.value for s in samples if all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.service.api.test_app import metric_samples
 from tests.service.conftest import WAIT_S, holding_completions, live_server, wait_until
+from tests.service.scrape import metric, metric_samples
 
 LONG_DEADLINE_MS = 1000.0 * WAIT_S  # requests held on purpose must not reach their deadline
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of the samples of `name` whose labels include `labels`."""
-    text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    return sum(s.value for s in metric_samples(text, name)
-               if all(s.labels.get(key) == value for key, value in labels.items()))
 
 
 def overloaded(url: str) -> float:

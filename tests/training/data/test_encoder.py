@@ -21,7 +21,7 @@ WORDS = ["tree", "oak", "pine", "a", "of", "the", "tall", "plant", "wood", "with
 needs_torch = needs(modules=("torch",), package="torch, the train extra (make install)")
 
 
-def tiny_checkpoint(folder: Path) -> Path:
+def tiny_encoder_checkpoint(folder: Path) -> Path:
     """A random 32-d, one-layer BERT with a word-level WordPiece tokenizer, saved as a
     sentence-transformers folder would be (config, weights, tokenizer.json, pooling)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -44,7 +44,7 @@ def tiny_checkpoint(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+    return tiny_encoder_checkpoint(tmp_path_factory.mktemp("checkpoint"))
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_the_service_encodes_queries_with_the_bundles_encoder(encoder_bundle):
 @needs_torch
 def test_a_new_checkpoint_rebuilds_the_catalog(small_sources, tmp_path, capsys):
     catalog, _ = small_sources
-    checkpoint = tiny_checkpoint(tmp_path / "checkpoint")
+    checkpoint = tiny_encoder_checkpoint(tmp_path / "checkpoint")
     config = CatalogConfig(source=str(catalog), dim=32, encoder=str(checkpoint))
     build_catalog(tmp_path / "b", config)
     before = np.load(tmp_path / "b" / "embeddings.npy")
@@ -170,7 +170,7 @@ def test_a_wrong_dim_or_encoder_is_refused(small_sources, checkpoint, tmp_path):
         build_catalog(tmp_path / "b", CatalogConfig(source=str(catalog), encoder=str(checkpoint)))
     with pytest.raises(BundleError, match="not wordllama, minilm or a local checkpoint"):
         encoder_source(str(tmp_path / "nowhere"))
-    dense = tiny_checkpoint(tmp_path / "dense")
+    dense = tiny_encoder_checkpoint(tmp_path / "dense")
     (dense / "modules.json").write_text(json.dumps([
         {"type": "sentence_transformers.models.Transformer"},
         {"type": "sentence_transformers.models.Dense"}]))

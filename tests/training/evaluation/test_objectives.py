@@ -7,25 +7,22 @@ import json
 import numpy as np
 import pytest
 
+from service.runtime.encoder import normalize
 from training.evaluation.ceilings import run_ceilings
 from training.evaluation.objectives import PROMPT_ORDER, greedy_set, objective
 from training.stage1_fanout.grpo import REWARD_MODES
 
 
-def unit(rows: np.ndarray) -> np.ndarray:
-    return rows / np.linalg.norm(rows, axis=-1, keepdims=True)
-
-
 def test_greedy_aboutness_takes_the_matched_items_in_prompt_order():
-    items = unit(np.random.default_rng(0).normal(size=(6, 8)))
+    items = normalize(np.random.default_rng(0).normal(size=(6, 8)))
     about = np.array([False, True, False, True, True, False])
     assert greedy_set("about", items[0], items, about, k=3) == [1, 3, 4]
 
 
 def test_the_paper_composite_prefers_a_diverse_set_to_duplicates():
     rng = np.random.default_rng(1)
-    query = unit(rng.normal(size=8))
-    spread = unit(query + 0.8 * rng.normal(size=(4, 8)))  # (4, d) near the query, spread out
+    query = normalize(rng.normal(size=8))
+    spread = normalize(query + 0.8 * rng.normal(size=(4, 8)))  # (4, d) near the query, spread out
     twins = np.repeat(spread[:1], 4, axis=0)  # (4, d) one item four times
     scores = objective("all", query, np.stack([spread, twins]), np.zeros((2, 4), dtype=bool))
     assert scores[0] > scores[1]

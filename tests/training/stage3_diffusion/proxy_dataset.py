@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from service.runtime.encoder import normalize
+
 if TYPE_CHECKING:
     from training.stage3_diffusion.context import Neighbourhood
 
@@ -28,16 +30,13 @@ class ProxyDataset:
     catalog: np.ndarray | None = None  # (M, d) the items `target_rows` index, when known
 
 
-def _unit(x: np.ndarray) -> np.ndarray:
-    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
-
-
 def synthetic_blocks(n_queries: int = 8, per_query: int = 4, k: int = 10, d: int = 128,
                      seed: int = 0) -> ProxyDataset:
     """Each query has k·2 'catalog' items near it; blocks draw k of them."""
     rng = np.random.default_rng(seed)
-    centres = _unit(rng.normal(size=(n_queries, d)))  # (Q, d)
-    items = _unit(centres[:, None, :] + 0.3 * rng.normal(size=(n_queries, 2 * k, d)))  # (Q, 2k, d)
+    centres = normalize(rng.normal(size=(n_queries, d)))  # (Q, d)
+    noise = rng.normal(size=(n_queries, 2 * k, d))
+    items = normalize(centres[:, None, :] + 0.3 * noise)  # (Q, 2k, d)
     picks = np.stack([rng.choice(2 * k, size=k, replace=False)
                       for _ in range(n_queries * per_query)])  # (N, k)
     query_index = np.repeat(np.arange(n_queries), per_query)  # (N,)
@@ -63,7 +62,7 @@ def synthetic_neighbourhood(data: ProxyDataset, n: int, parts: tuple[str, ...] =
     assert data.catalog is not None
     item_parts = None
     if parts:
-        vectors = _unit(np.random.default_rng(1).normal(
+        vectors = normalize(np.random.default_rng(1).normal(
             size=(len(data.catalog), len(parts), data.catalog.shape[1])))
         item_parts = ItemParts(parts, vectors.astype(np.float16))
     near = block_neighbourhood(data, build_index(data.catalog), data.catalog, n,
