@@ -7,16 +7,21 @@ the student, which then needs neither the ranker's model nor its candidate lists
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from service.artifacts.bundle import Bundle
 from service.fanout.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
+from service.runtime.index import neighbour_rows
 
 WORDS = 30  # words per side told apart (the ranker's default); one more slot for any other
 NUMERIC = ("similarity", "mentions", "mention_position", "early_mention", "log_name_fanin",
            "name_words", "name_holds_query", "head_match", "text_words", "rank")
 MENTION_WIDTH = len(NUMERIC) + 2 * (WORDS + 1)
+# the "mentioned" context leads with this many of the query's nearest mentions: the ranker's
+# picks come from there and the hybrid list, which the dense neighbourhood alone misses
+CONTEXT_MENTIONS = 60
 
 
 def encode_mentions(table: np.ndarray, context: int) -> np.ndarray:
@@ -46,3 +51,26 @@ class MentionContext:
                  ) -> np.ndarray:
         table = self.features.table(texts, queries, [(r, 0) for r in rows])  # (B·C, F)
         return encode_mentions(table, rows.shape[1]).reshape(*rows.shape, MENTION_WIDTH)
+
+
+class MentionedNeighbourhood:
+    """A standalone student's context (context_source "mentioned"): the query's nearest
+    CONTEXT_MENTIONS items whose text holds its every word, nearest first, then its nearest
+    items, n in all; a lookup in the lexical index's postings and one ANN search, no ranker."""
+
+    def __init__(self, features: MentionFeatures, index: Any, n: int) -> None:
+        self.features, self.index, self.n = features, index, int(n)
+
+    def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
+        """(Q, n) int64 catalog rows of each query (texts and embeddings (Q, d))."""
+        nearest = neighbour_rows(self.index, queries, self.n)  # (Q, n)
+        embeddings, out = self.features.embeddings, np.empty((len(texts), self.n), np.int64)
+        for i, (text, query, near) in enumerate(zip(texts, queries, nearest, strict=True)):
+            held = self.features.mentions(text)
+            similarity = embeddings[held] @ query  # (M,)
+            if len(held) > CONTEXT_MENTIONS:  # the nearest of a broad word's thousands
+                kept = np.argpartition(-similarity, CONTEXT_MENTIONS)[:CONTEXT_MENTIONS]
+                held, similarity = held[kept], similarity[kept]
+            held = held[np.argsort(-similarity, kind="stable")]
+            out[i] = list(dict.fromkeys([*held.tolist(), *near.tolist()]))[: self.n]
+        return out

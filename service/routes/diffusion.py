@@ -17,7 +17,7 @@ from service.artifacts.parts import ItemParts, context_features
 from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
-from service.fanout.mention_context import MentionContext
+from service.fanout.mention_context import MentionContext, MentionedNeighbourhood
 from service.fanout.mentions import MentionWords
 from service.fanout.ranker import RankedNeighbourhood
 from service.routes.answer import RouteAnswer, RouteQuery, StageClock, selection_notes, stamp
@@ -42,7 +42,7 @@ class Sampler(Protocol):
                context: np.ndarray | None = None) -> np.ndarray: ...
 
 
-CONTEXT_SOURCES = ("nearest", "prompt", "ranked")
+CONTEXT_SOURCES = ("nearest", "prompt", "ranked", "mentioned")
 # the ODE solvers a sampler is exported with (`solver` in diffusion.json; Euler the paper's)
 SOLVER_NAMES = ("euler", "heun")
 
@@ -51,8 +51,9 @@ class DiffusionContext:
     """What the served sampler attends to besides the query: the embeddings (B, C, d) of C
     catalog items per query, or None when its model has no context. The source is recorded at
     export (`context_source` in diffusion.json): "nearest", the query's C nearest items (one
-    search), "prompt", the C items the fan-out prompt names (`PromptNeighbourhood`), or
-    "ranked", the ranker's best C candidates (`RankedNeighbourhood`)."""
+    search), "prompt", the C items the fan-out prompt names (`PromptNeighbourhood`), "ranked",
+    the ranker's best C candidates (`RankedNeighbourhood`), or "mentioned", the query's nearest
+    mentions then its nearest items (`MentionedNeighbourhood`)."""
 
     def __init__(self, bundle: Bundle, config: dict[str, Any]) -> None:
         self.bundle, self.n = bundle, int(config.get("context", 0))
@@ -62,9 +63,15 @@ class DiffusionContext:
                               f"use one of {CONTEXT_SOURCES}")
         self.parts = self._parts(bundle, tuple(config.get("parts", ())))
         self.mentions = self._mentions(bundle, config.get("mention_words"))
-        self.prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
+        self.prompt: PromptNeighbourhood | RankedNeighbourhood | MentionedNeighbourhood | None = \
+            None
         if self.n and self.source == "ranked":  # a student distilled from the ranker
             self.prompt = RankedNeighbourhood(bundle, self.n)
+        elif self.n and self.source == "mentioned":
+            if self.mentions is None:
+                raise BundleError("a 'mentioned' context is read with its mention features: "
+                                  "diffusion.json lacks `mention_words`")
+            self.prompt = MentionedNeighbourhood(self.mentions.features, bundle.index, self.n)
         elif self.n and self.source == "prompt":
             source = str(config.get("candidates", UNRECORDED_SOURCE))
             self.prompt = PromptNeighbourhood(Candidates.of(bundle, source), bundle.items.texts,

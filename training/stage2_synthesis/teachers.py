@@ -4,9 +4,10 @@ ranker (`--teacher ranker`), sampled as the policy is, at a temperature; or the 
 
 Both choose among the student's context, so the student is trained to pick where it will
 pick when served: the ranker's best C candidates (`RankedNeighbourhood`, `context_source =
-"ranked"`), or the query's C nearest items, each scored by the ranker (`among = "nearest"`,
-a student that needs no ranker at serve time). The run folder is `synthesize`'s (shards of
-query_index, rows, target), so `r4t train diffusion` reads either unchanged.
+"ranked"`), or the query's C nearest items (`among = "nearest"`; "mentioned": its nearest
+mentions first), each scored by the ranker, for a student that needs no ranker at serve time.
+The run folder is `synthesize`'s (shards of query_index, rows, target), so `r4t train diffusion`
+reads either unchanged.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tqdm import tqdm
 from service.artifacts.bundle import git_commit, load_bundle
 from service.errors import InputError
 from service.fanout.format import item_names
+from service.fanout.mention_context import MentionedNeighbourhood
 from service.fanout.ranker import ScoredCandidates
 from service.runtime.encoder import Encoder
 from service.runtime.index import neighbour_rows
@@ -32,7 +34,8 @@ TERMS = ("reward", "ground", "diversity", "alignment")  # not scored here: zeros
 # the ranker's best 12: the teacher picks 10 of them, and so does its student (the best 16
 # and 24 measured lower on val)
 RANKED_CONTEXT = 12
-AMONG = ("ranked", "nearest")  # the student's context: the ranker's best C, the C nearest
+# the student's context: the ranker's best C, the C nearest, the nearest mentions then nearest
+AMONG = ("ranked", "nearest", "mentioned")
 
 
 def ranker_block(scores: np.ndarray, embeddings: np.ndarray, scored: ScoredCandidates, k: int,
@@ -76,12 +79,13 @@ def teacher_queries(bundle_dir: Path, teacher: str, config: SynthesisConfig
                            for i in range(len(queries))]
 
 
-def nearest_scored(scored: ScoredCandidates, index: Any, texts: list[str], queries: np.ndarray,
-                   n: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per query, its n nearest rows (best first) and the ranker's scores of them: each row's
-    features computed among the ranker's own candidates, so a nearest item the hybrid list
-    holds keeps its rank there."""
-    nearest = neighbour_rows(index, queries, n)  # (Q, n)
+def context_scored(scored: ScoredCandidates, index: Any, texts: list[str], queries: np.ndarray,
+                   n: int, among: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per query, its n context rows (best first: its nearest, or with `among` "mentioned"
+    its nearest mentions first) and the ranker's scores of them: each row's features computed
+    among the ranker's own candidates, so an item the hybrid list holds keeps its rank there."""
+    nearest = neighbour_rows(index, queries, n) if among == "nearest" else \
+        MentionedNeighbourhood(scored.features, index, n).rows(texts, queries)  # (Q, n)
     found = scored.features.candidates(texts, queries)
     out = []
     for text, query, near, (rows, listed) in zip(texts, queries, nearest, found, strict=True):
@@ -113,7 +117,7 @@ def synthesize_blocks(bundle_dir: Path, teacher: str, config: SynthesisConfig, c
     for start in tqdm(range(0, len(queries), batch), desc=f"{teacher} blocks", unit="batch"):
         texts, vectors = queries[start:start + batch], query_emb[start:start + batch]
         found = scored(texts, vectors) if among == "ranked" else \
-            nearest_scored(scored, bundle.index, texts, vectors, context)
+            context_scored(scored, bundle.index, texts, vectors, context, among)
         for i, (rows, scores) in enumerate(found, start=start):
             if among == "ranked":
                 best = np.argsort(-scores, kind="stable")[:context]

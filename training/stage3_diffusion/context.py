@@ -15,7 +15,7 @@ from service.artifacts.parts import ItemParts, context_features
 from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
-from service.fanout.mention_context import encode_mentions
+from service.fanout.mention_context import MentionedNeighbourhood, encode_mentions
 from service.fanout.ranker import RankedNeighbourhood, ScoredCandidates
 from service.runtime.index import neighbour_rows
 
@@ -62,7 +62,8 @@ class Neighbourhood:
 
 
 def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, n: int,
-                        prompt: PromptNeighbourhood | RankedNeighbourhood | None = None,
+                        prompt: PromptNeighbourhood | RankedNeighbourhood
+                        | MentionedNeighbourhood | None = None,
                         parts: ItemParts | None = None,
                         mentions: ScoredCandidates | None = None) -> Neighbourhood:
     """Look each distinct query up once (its n nearest items, or with `prompt` the n items its
@@ -125,12 +126,18 @@ def bundle_context(bundle_dir: Path, data: BlockDataset, model: DenoiserConfig,
     if not n:
         return None
     bundle = load_bundle(bundle_dir)
-    prompt: PromptNeighbourhood | RankedNeighbourhood | None = None
+    prompt: PromptNeighbourhood | RankedNeighbourhood | MentionedNeighbourhood | None = None
+    scored = ScoredCandidates(bundle) if model.mentions else None
     if model.context_source == "ranked":
         check_context_size(dataset_dir, n, "ranked")
         prompt = RankedNeighbourhood(bundle, n)
-    elif model.reads_items:  # the query's n nearest, each scored by the ranker in stage 2
-        check_context_size(dataset_dir, n, "nearest")
+    elif model.reads_items:  # the query's n nearest (or mentions), each scored by the ranker
+        among = check_context_size(dataset_dir, n, model.context_source).get("among", model.among)
+        if among != model.among:
+            raise BundleError(f"stage 2's teacher chose among its {among!r} context "
+                              f"({dataset_dir}), the denoiser reads a {model.among!r} one")
+        if model.context_source == "mentioned" and scored is not None:
+            prompt = MentionedNeighbourhood(scored.features, bundle.index, n)
         if model.parts and (bundle.parts is None or bundle.parts.names != model.parts):
             raise BundleError(f"the denoiser reads item parts {list(model.parts)}; "
                               f"{bundle_dir} holds {bundle.manifest.get('parts')}: `r4t "
@@ -140,5 +147,4 @@ def bundle_context(bundle_dir: Path, data: BlockDataset, model: DenoiserConfig,
         prompt = PromptNeighbourhood(Candidates.of(bundle, model.candidates),
                                      bundle.items.texts, bundle.items.embeddings, n)
     return block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt,
-                               bundle.parts if model.parts else None,
-                               ScoredCandidates(bundle) if model.mentions else None)
+                               bundle.parts if model.parts else None, scored)

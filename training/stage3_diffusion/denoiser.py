@@ -72,7 +72,8 @@ class DenoiserConfig:
     ordered: bool = False  # rows carry learnt positions (TrainConfig.target_order says which)
     # which C items: "nearest", the query's C nearest; "prompt", the C items the teacher's
     # prompt names (service.fanout.grounding.PromptNeighbourhood); "ranked", the ranker's best C
-    # (service.fanout.ranker.RankedNeighbourhood), for a student distilled from the ranker
+    # (service.fanout.ranker.RankedNeighbourhood), for a student distilled from the ranker;
+    # "mentioned", the query's nearest mentions, then its nearest (MentionedNeighbourhood)
     context_source: str = "nearest"
     # where the prompt's names come from (service.fanout.candidates), as the teacher's were
     candidates: str = UNRECORDED_SOURCE
@@ -93,10 +94,14 @@ class DenoiserConfig:
             raise InputError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
         if self.rows < self.k:
             raise InputError(f"rows L={self.rows} must be at least k={self.k}")
-        if self.reads_items and (not self.context or self.context_source != "nearest"):
+        if self.reads_items and (not self.context
+                                 or self.context_source not in ("nearest", "mentioned")):
             raise InputError("parts and mentions describe the query's nearest items: the "
-                             "denoiser needs a "
-                             "context (context > 0, context_source 'nearest')")
+                             "denoiser needs a context (context > 0, context_source "
+                             "'nearest' or 'mentioned')")
+        if self.context_source == "mentioned" and not self.mentions:
+            raise InputError("a 'mentioned' context is read with its mention features "
+                             "(mentions=True)")
 
     @property
     def context_width(self) -> int:
@@ -112,7 +117,8 @@ class DenoiserConfig:
     @property
     def among(self) -> str:
         """What a picking stage-2 teacher chooses among (training.stage2_synthesis.teachers)."""
-        return "nearest" if self.context_source == "nearest" else "ranked"
+        return self.context_source if self.context_source in ("nearest", "mentioned") \
+            else "ranked"
 
     def to_dict(self) -> dict[str, Any]:
         """As a dict; the default context source is left out, so configs (and the hashes a

@@ -8,10 +8,12 @@ import pytest
 
 from service.artifacts.bundle import load_bundle
 from service.fanout.mention_context import (
+    CONTEXT_MENTIONS,
     MENTION_WIDTH,
     NUMERIC,
     WORDS,
     MentionContext,
+    MentionedNeighbourhood,
     encode_mentions,
 )
 from service.fanout.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
@@ -51,3 +53,22 @@ def test_the_columns_are_the_ranker_s_features_of_the_query_s_nearest(bundle):
     np.testing.assert_array_equal(columns.reshape(-1, MENTION_WIDTH), encode_mentions(table, 8))
     named = columns[..., NUMERIC.index("mention_position")] < 1.0
     assert named[0].any() and not named[2].any()  # "tree" is named, a never-seen word is not
+
+
+def test_a_mentioned_context_leads_with_the_nearest_mentions_then_the_nearest(bundle):
+    texts = ["tree", "zzqx"]
+    queries = Encoder(bundle.encoder_config).encode(texts)
+    features = MentionFeatures(bundle)
+    n = CONTEXT_MENTIONS + 8
+    rows = MentionedNeighbourhood(features, bundle.index, n).rows(texts, queries)
+    assert rows.shape == (2, n) and all(len(set(r.tolist())) == n for r in rows)
+    held = features.mentions("tree")
+    assert 0 < len(held) < n  # the small catalog: every mention leads, the nearest fill
+    lead = rows[0, : len(held)]
+    assert set(lead.tolist()) == set(held.tolist())
+    similarity = bundle.items.embeddings[lead] @ queries[0]
+    assert (np.diff(similarity) <= 1e-6).all()  # nearest first
+    nearest = neighbour_rows(bundle.index, queries, n)
+    fill = [r for r in nearest[0].tolist() if r not in set(held.tolist())]
+    assert rows[0, len(held):].tolist() == fill[: n - len(held)]
+    np.testing.assert_array_equal(rows[1], nearest[1])  # no mention: the nearest alone

@@ -4,6 +4,7 @@ positive control, both among the student's ranked context."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from service.artifacts.bundle import load_bundle
 from service.fanout.ranker import RankedNeighbourhood, ScoredCandidates
@@ -48,5 +49,20 @@ def test_blocks_lie_in_the_context_the_served_student_attends_to(small_bundle_di
     served = DiffusionContext(bundle, {"context": 6, "context_source": "ranked"})
     assert isinstance(served.prompt, RankedNeighbourhood)
     context = served.rows(data.queries, Encoder(bundle.encoder_config).encode(data.queries))
+    for i, rows in zip(data.query_index, data.target_rows, strict=True):
+        assert set(rows.tolist()) <= set(context[i].tolist())
+
+
+@pytest.mark.parametrize("among", ["nearest", "mentioned"])
+def test_a_standalone_student_s_blocks_lie_in_its_served_context(small_bundle_dir, tmp_path,
+                                                                 among):
+    config = SynthesisConfig(samples_per_query=1, extra_queries=0, k=4, temperature=0.0)
+    run = synthesize_blocks(small_bundle_dir, "ranker", config, 12, tmp_path / "run", among)
+    data = load_dataset(run)
+    bundle = load_bundle(small_bundle_dir)
+    served = DiffusionContext(bundle, {"context": 12, "context_source": among,
+                                       "mention_words": {"before": [], "after": []}})
+    context = served.rows(data.queries, Encoder(bundle.encoder_config).encode(data.queries))
+    assert len(data) > 0
     for i, rows in zip(data.query_index, data.target_rows, strict=True):
         assert set(rows.tolist()) <= set(context[i].tolist())
