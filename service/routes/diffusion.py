@@ -170,6 +170,8 @@ class DiffusionRoute:
     ) -> None:
         self.bundle, self.encoder, self.sampler, self.seed = bundle, encoder, sampler, seed
         self.context = DiffusionContext(bundle, sampler.config)
+        # a mixture head's rows claim the items they point at (`claims` in diffusion.json)
+        self.pointers = sampler.config.get("claims", "cosine") == "pointers"
 
     @property
     def providers(self) -> list[str]:
@@ -203,7 +205,8 @@ class DiffusionRoute:
                                                  wheres=wheres)
         else:
             selections, grounded = resolve_in_context(self.bundle.index, rows, context_rows,
-                                                      context, queries, ks, wheres)
+                                                      context, queries, ks, wheres,
+                                                      self.pointers)
         lead_with_nearest(self.bundle.index, selections, queries, [q.lead for q in batch],
                           wheres)
         clock.lap("search")

@@ -151,19 +151,22 @@ def _resolve_same_k(
 def resolve_in_context(
     index: VectorIndex, probes: np.ndarray, context_rows: np.ndarray, context: np.ndarray,
     queries: np.ndarray, ks: list[int], wheres: list[Where | None] | None = None,
+    pointers: bool = False,
 ) -> tuple[list[Selection], np.ndarray]:
     """`resolve_items` with each query's candidates its context: probes (Q, L, d) claim among
     context_rows (Q, C) whose embeddings are context (Q, C, d). The student was trained to pick
     among these items (its teacher's action space), so a few dot products replace L catalog
     searches. A query with a metadata filter resolves against the catalog under it instead
-    (the context is not filtered); groundedness is then measured against the catalog too."""
+    (the context is not filtered); groundedness is then measured against the catalog too.
+    `pointers`: the probes are mixtures of their context, and claim by their weights."""
     filters = wheres if wheres is not None else [None] * len(ks)
     selections = [Selection() for _ in ks]
     grounded = np.zeros(len(ks), dtype=np.float32)
     free = [i for i, where in enumerate(filters) if where is None]
     if free and probes.shape[1]:
         claimed, grounded[free] = claim_in_context(probes[free], context_rows[free],
-                                                   context[free], [ks[i] for i in free])
+                                                   context[free], [ks[i] for i in free],
+                                                   pointers)
         for j, i in enumerate(free):
             selections[i] = claimed[j]
     fill_short(index, selections, queries, ks, free)
@@ -177,15 +180,30 @@ def resolve_in_context(
 
 
 def claim_in_context(probes: np.ndarray, context_rows: np.ndarray, context: np.ndarray,
-                     ks: list[int]) -> tuple[list[Selection], np.ndarray]:
+                     ks: list[int], pointers: bool = False
+                     ) -> tuple[list[Selection], np.ndarray]:
     """Round-robin claims of probes (Q, L, d), L ≥ 1, among context_rows (Q, C) with embeddings
-    context (Q, C, d), and each query's groundedness against them (Q,)."""
-    scores = np.einsum("qld,qcd->qlc", probes, context)  # (Q, L, C) cosines
+    context (Q, C, d), by cosine or, with `pointers`, by their mixture weights; and each
+    query's groundedness against them (Q,)."""
+    cosines = np.einsum("qld,qcd->qlc", probes, context)  # (Q, L, C)
+    scores = mixture_weights(probes, context) if pointers else cosines
     order = np.argsort(-scores, axis=2, kind="stable")  # (Q, L, C) best first
     ranked = np.take_along_axis(scores, order, axis=2)  # (Q, L, C)
     found = np.take_along_axis(context_rows[:, None, :], order, axis=2)  # (Q, L, C) rows
     selections = [claim_round_robin(found[i], ranked[i], k) for i, k in enumerate(ks)]
-    return selections, np.clip(ranked[:, :, 0], 0.0, 1.0).mean(axis=1)  # (Q,)
+    return selections, np.clip(cosines.max(axis=2), 0.0, 1.0).mean(axis=1)  # (Q,)
+
+
+def mixture_weights(probes: np.ndarray, context: np.ndarray, ridge: float = 1e-6) -> np.ndarray:
+    """(Q, L, C) the weights w with probe ∝ w · context, by least squares: a mixture head's
+    row is a convex mixture of its C context items, so while they are independent (C ≤ d) its
+    weights, which say the item each row points at, come back exactly; the ridge keeps
+    near-duplicate items solvable."""
+    items = context.astype(np.float64)  # (Q, C, d)
+    gram = items @ items.transpose(0, 2, 1)  # (Q, C, C)
+    gram += ridge * np.eye(gram.shape[1])
+    weights = np.linalg.solve(gram, items @ probes.astype(np.float64).transpose(0, 2, 1))
+    return weights.transpose(0, 2, 1)  # (Q, L, C)
 
 
 def fill_short(index: VectorIndex, selections: list[Selection], queries: np.ndarray,

@@ -4,8 +4,8 @@ uvicorn servers on 127.0.0.1.
 The serving bundle is the session's small WordNet bundle (tests/conftest.py) plus a real
 `diffusion/` stage exported by `r4t export diffusion`'s code from a tiny denoiser trained for
 a few steps: shaped as the `standalone` student's (rows = k = 10, a context of the query's
-nearest items with their mention features, one draw of one Euler step: the route serves with no
-ranker), smaller (16 context items, the `tiny` width). Only
+nearest mentions then its nearest items, with their mention features, one draw of one Euler
+step: the route serves with no ranker), smaller (16 context items, the `tiny` width). Only
 the bundles whose sampler misbehaves on purpose (`broken_bundle`, `fragile_bundle`) carry a
 hand-built toy graph instead (`sampler_graph`).
 """
@@ -40,8 +40,8 @@ from training.data.splits import BenchmarkQuery
 
 ROWS = 10  # rows = k, as the default bundle's sampler
 DIM = 128
-CONTEXT = 16  # the served sampler attends to its query's 16 nearest items and their mentions
-CONTEXT_SOURCE = "nearest"
+CONTEXT = 16  # the served sampler attends to 16 items: its query's nearest mentions, then nearest
+CONTEXT_SOURCE = "mentioned"
 DRAWS = 1
 SOLVER, STEPS = "euler", 1
 TRAIN_STEPS = 4
@@ -134,8 +134,8 @@ def export_tiny_diffusion(bundle_dir: Path, run_dir: Path) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     # one block and a few training steps keep the session's setup short (the dynamo export
-    # of one step graph dominates it); ordered rows and a context of the nearest items and
-    # their mention features, as the `standalone` preset
+    # of one step graph dominates it); ordered rows and a "mentioned" context with its items'
+    # mention features, as the `standalone` preset
     checkpoint = tiny_checkpoint(run_dir, rows=ROWS, steps=TRAIN_STEPS, context=CONTEXT,
                                  context_source=CONTEXT_SOURCE, ordered=True, layers=1,
                                  mentions=True)
@@ -154,8 +154,8 @@ def serving_bundle(small_bundle_dir: Path, tmp_path_factory: pytest.TempPathFact
     manifest["name"] = target.name
     write_manifest(target, manifest)
     config = export_tiny_diffusion(target, root / "run")
-    assert (config["rows"], config["context"], config["context_source"], config["draws"]) == (
-        ROWS, CONTEXT, CONTEXT_SOURCE, DRAWS)
+    assert (config["rows"], config["context"], config["context_source"], config["draws"],
+            config["claims"]) == (ROWS, CONTEXT, CONTEXT_SOURCE, DRAWS, "pointers")
     return target
 
 

@@ -45,11 +45,11 @@ from torch import nn
 from service.errors import BundleError, InputError
 from service.fanout.candidates import CANDIDATE_SOURCES, UNRECORDED_SOURCE
 from service.fanout.format import PROMPT_RECIPE
-from service.fanout.mention_context import MENTION_WIDTH
+from service.fanout.mention_context import CONTEXT_MENTIONS, MENTION_WIDTH
 from service.routes.diffusion import CONTEXT_SOURCES
 from training.stage2_synthesis.teachers import RANKED_CONTEXT
 
-STANDALONE_CONTEXT = 128
+STANDALONE_CONTEXT = CONTEXT_MENTIONS + 32  # its nearest mentions, then 32 nearest at least
 # Options of earlier configs whose other values were removed: their surviving value.
 REMOVED_OPTIONS: dict[str, str] = {"conditioning": "adaln", "head": "vector"}
 
@@ -159,12 +159,13 @@ PRESETS: dict[str, DenoiserConfig] = {
                           ordered=True, context_source="ranked",
                           candidates=PROMPT_RECIPE.candidates),
     "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
-    # no teacher at serve time: the query's STANDALONE_CONTEXT nearest items, each read with
-    # its mention features (service.fanout.mention_context: where the query's words sit in its
-    # text), chosen among by the ranker offline; it measured above the same context read
-    # through its parts' cosines
+    # no teacher at serve time: the query's nearest mentions, then its nearest items, each
+    # read with its mention features (service.fanout.mention_context: where the query's words
+    # sit in its text), chosen among by the ranker offline; it measured above the 128 nearest
+    # alone, and above their parts' cosines
     "standalone": DenoiserConfig(hidden=128, mlp=512, layers=2, heads=4,
-                                 context=STANDALONE_CONTEXT, ordered=True, mentions=True),
+                                 context=STANDALONE_CONTEXT, ordered=True, mentions=True,
+                                 context_source="mentioned"),
 }
 
 

@@ -297,6 +297,8 @@ def sampler_config(model: Denoiser, config: ExportConfig) -> dict[str, Any]:
         "cfg_weight": config.cfg_weight, "cfg_formula": CFG_FORMULA,
         "sigma_min": mc.sigma_min, "sigma_max": mc.sigma_max, "sigma_data": mc.sigma_data,
         "schedule": "EDM, rho=7, final sigma 0", "output": "unit-norm rows",
+        # a mixture head's rows are mixtures of the context: they claim what they point at
+        "claims": "pointers" if mc.reads_items else "cosine",
         "params": count_params(model), "preset": preset_name(model),
         "draws": config.draws,
         "flops_per_query": config.draws * nfe * flops_per_step(mc, cfg=config.cfg_weight != 0),

@@ -11,6 +11,7 @@ from service.routes.resolution import (
     claim_round_robin,
     first_distinct_rows,
     lead_with_nearest,
+    mixture_weights,
     resolve_in_context,
     resolve_items,
 )
@@ -186,3 +187,28 @@ def test_a_lead_puts_the_querys_own_nearest_first_at_the_same_length():
     assert again.rows == [9, *(r for r in before[1] if r != 9)]  # not repeated, order kept
     assert untouched.rows == before[2] and untouched.led == 0
     assert all(len(s.rows) == 10 == len(set(s.rows)) for s in selections)
+
+
+def test_a_mixture_s_weights_come_back_from_its_row():
+    rng = np.random.default_rng(0)
+    context = normalize(rng.standard_normal((2, 6, 16)).astype(np.float32))  # (Q, C, d), C < d
+    weights = rng.dirichlet(np.ones(6), size=(2, 3))  # (Q, L, C) convex
+    probes = normalize((weights @ context).astype(np.float32))  # unit rows, as served
+    found = mixture_weights(probes, context)  # (Q, L, C), up to each row's scale
+    scale = found.sum(axis=2, keepdims=True)
+    np.testing.assert_allclose(found / scale, weights, atol=1e-4)
+
+
+def test_pointer_claims_take_the_item_a_mixture_points_at_where_cosine_would_not():
+    index, items = random_index()
+    context_rows = np.array([[10, 11, 12, 13]])  # (1, C)
+    context = items[context_rows]  # (1, C, d)
+    # each row weighs one item most, but the rest pull its mixture nearer another item
+    weights = np.array([[[0.40, 0.30, 0.30, 0.00], [0.00, 0.00, 0.45, 0.55]]])  # (1, L, C)
+    probes = normalize((weights @ context).astype(np.float32))
+    cosine, _ = resolve_in_context(index, probes, context_rows, context, items[:1], [2])
+    pointed, _ = resolve_in_context(index, probes, context_rows, context, items[:1], [2],
+                                    pointers=True)
+    assert set(pointed[0].rows) == {10, 13}  # each row's heaviest item
+    assert (probes[0] @ context[0].T).argmax(axis=1).tolist() == [1, 3]
+    assert set(cosine[0].rows) == {11, 13}  # cosine claims the first row's nearest instead
