@@ -34,7 +34,7 @@ def train_scorer(bundle: Bundle, dataset: Path, context: int, threads: int = 1) 
     """A LightGBM classifier: is a context item in its query's stage-2 block."""
     import lightgbm
 
-    from training.stage2_synthesis.synthesis import load_dataset
+    from training.stage2_synthesis.dataset import load_dataset
 
     if bundle.parts is None:
         raise BundleError(f"{bundle.path} has no item parts: `r4t --bundle {bundle.path} "

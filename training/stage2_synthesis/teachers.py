@@ -28,7 +28,8 @@ from service.fanout.ranker import ScoredCandidates
 from service.runtime.encoder import Encoder
 from service.runtime.index import neighbour_rows
 from training.data.splits import disjoint_train, query_texts, training_queries
-from training.stage2_synthesis.synthesis import SHARDS, SynthesisConfig, save_shard
+from training.stage2_synthesis.dataset import SHARDS, save_shard
+from training.stage2_synthesis.synthesis import SynthesisConfig
 
 TERMS = ("reward", "ground", "diversity", "alignment")  # not scored here: zeros
 # the ranker's best 12: the teacher picks 10 of them, and so does its student (the best 16

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class BlockDataset(Protocol):
-    """What training needs of `training.stage2_synthesis.synthesis.SynthesisDataset` (stage 2)."""
+    """What training needs of `training.stage2_synthesis.dataset.SynthesisDataset` (stage 2)."""
 
     queries: list[str]
     query_emb: np.ndarray  # (N, d) float32

@@ -367,7 +367,7 @@ def train_on_bundle(bundle_dir: Path, config: TrainConfig, dataset_dir: Path | N
                     device: str = "cpu") -> dict[str, Any]:
     """Train (or resume) on the bundle's stage-2 dataset (default <bundle>/runs/synthesis) into
     `run_dir` (default <bundle>/runs/diffusion), with the context the model attends to."""
-    from training.stage2_synthesis.synthesis import load_dataset
+    from training.stage2_synthesis.dataset import load_dataset
 
     dataset_dir = dataset_dir or bundle_dir / "runs" / "synthesis"
     try:

@@ -19,12 +19,8 @@ from service.runtime.encoder import Encoder
 from service.runtime.index import search
 from tests.training.stage1_fanout.test_policy import THEMES, make_tiny_bundle, make_tiny_policy
 from training.data.splits import query_texts
-from training.stage2_synthesis.synthesis import (
-    SynthesisConfig,
-    load_dataset,
-    synthesize,
-    top_fraction,
-)
+from training.stage2_synthesis.dataset import load_dataset
+from training.stage2_synthesis.synthesis import SynthesisConfig, synthesize, top_fraction
 
 TINY = SynthesisConfig(samples_per_query=6, shard_queries=3, max_new_tokens=12, threads=1,
                        extra_queries=0)

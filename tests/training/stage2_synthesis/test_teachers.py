@@ -11,7 +11,8 @@ from service.fanout.ranker import RankedNeighbourhood, ScoredCandidates
 from service.routes.diffusion import DiffusionContext
 from service.runtime.encoder import Encoder
 from training.data.splits import disjoint_train
-from training.stage2_synthesis.synthesis import SynthesisConfig, load_dataset
+from training.stage2_synthesis.dataset import load_dataset
+from training.stage2_synthesis.synthesis import SynthesisConfig
 from training.stage2_synthesis.teachers import oracle_block, ranker_block, synthesize_blocks
 
 
