@@ -43,6 +43,8 @@ class Sampler(Protocol):
 
 
 CONTEXT_SOURCES = ("nearest", "prompt", "ranked", "mentioned")
+# what looks a context up by the query's text (all but "nearest", one ANN search)
+ContextLookup = PromptNeighbourhood | RankedNeighbourhood | MentionedNeighbourhood
 # the ODE solvers a sampler is exported with (`solver` in diffusion.json; Euler the paper's)
 SOLVER_NAMES = ("euler", "heun")
 
@@ -63,8 +65,7 @@ class DiffusionContext:
                               f"use one of {CONTEXT_SOURCES}")
         self.parts = self._parts(bundle, tuple(config.get("parts", ())))
         self.mentions = self._mentions(bundle, config.get("mention_words"))
-        self.prompt: PromptNeighbourhood | RankedNeighbourhood | MentionedNeighbourhood | None = \
-            None
+        self.prompt: ContextLookup | None = None
         if self.n and self.source == "ranked":  # a student distilled from the ranker
             self.prompt = RankedNeighbourhood(bundle, self.n)
         elif self.n and self.source == "mentioned":

@@ -17,6 +17,7 @@ from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
 from service.fanout.mention_context import MentionedNeighbourhood, encode_mentions
 from service.fanout.ranker import RankedNeighbourhood, ScoredCandidates
+from service.routes.diffusion import ContextLookup
 from service.runtime.index import neighbour_rows
 
 if TYPE_CHECKING:
@@ -62,8 +63,7 @@ class Neighbourhood:
 
 
 def block_neighbourhood(data: BlockDataset, index: Any, embeddings: np.ndarray, n: int,
-                        prompt: PromptNeighbourhood | RankedNeighbourhood
-                        | MentionedNeighbourhood | None = None,
+                        prompt: ContextLookup | None = None,
                         parts: ItemParts | None = None,
                         mentions: ScoredCandidates | None = None) -> Neighbourhood:
     """Look each distinct query up once (its n nearest items, or with `prompt` the n items its
@@ -126,7 +126,7 @@ def bundle_context(bundle_dir: Path, data: BlockDataset, model: DenoiserConfig,
     if not n:
         return None
     bundle = load_bundle(bundle_dir)
-    prompt: PromptNeighbourhood | RankedNeighbourhood | MentionedNeighbourhood | None = None
+    prompt: ContextLookup | None = None
     scored = ScoredCandidates(bundle) if model.mentions else None
     if model.context_source == "ranked":
         check_context_size(dataset_dir, n, "ranked")
