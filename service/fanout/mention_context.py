@@ -19,9 +19,13 @@ WORDS = 30  # words per side told apart (the ranker's default); one more slot fo
 NUMERIC = ("similarity", "mentions", "mention_position", "early_mention", "log_name_fanin",
            "name_words", "name_holds_query", "head_match", "text_words", "rank")
 MENTION_WIDTH = len(NUMERIC) + 2 * (WORDS + 1)
-# the "mentioned" context leads with this many of the query's nearest mentions: the ranker's
-# picks come from there and the hybrid list, which the dense neighbourhood alone misses
-CONTEXT_MENTIONS = 60
+
+
+def leading_mentions(n: int) -> int:
+    """How many of a "mentioned" context's n items are the query's nearest mentions (two
+    thirds; its nearest items fill the rest): the ranker's picks come from there and the
+    hybrid list, which the dense neighbourhood alone misses."""
+    return 2 * n // 3
 
 
 def encode_mentions(table: np.ndarray, context: int) -> np.ndarray:
@@ -34,9 +38,14 @@ def encode_mentions(table: np.ndarray, context: int) -> np.ndarray:
                column["early_mention"], column["log_name_fanin"] / 5,
                column["name_words"] / 5, column["name_holds_query"], column["head_match"],
                np.log1p(column["text_words"]) / 4, rank]
-    sides = [np.eye(WORDS + 1, dtype=np.float32)[np.minimum(column[name].astype(np.int64), WORDS)]
-             for name in ("word_before_mention", "word_after_mention")]
-    return np.concatenate([np.stack(numeric, axis=1), *sides], axis=1).astype(np.float32)
+    out = np.zeros((len(table), MENTION_WIDTH), dtype=np.float32)
+    for j, values in enumerate(numeric):
+        out[:, j] = values
+    everyone = np.arange(len(table))
+    for side, name in enumerate(("word_before_mention", "word_after_mention")):  # one-hot
+        word = np.minimum(column[name].astype(np.int64), WORDS)
+        out[everyone, len(NUMERIC) + side * (WORDS + 1) + word] = 1.0
+    return out
 
 
 class MentionContext:
@@ -55,11 +64,13 @@ class MentionContext:
 
 class MentionedNeighbourhood:
     """A standalone student's context (context_source "mentioned"): the query's nearest
-    CONTEXT_MENTIONS items whose text holds its every word, nearest first, then its nearest
-    items, n in all; a lookup in the lexical index's postings and one ANN search, no ranker."""
+    `leading_mentions(n)` items whose text holds its every word, nearest first, then its
+    nearest items, n in all; a lookup in the lexical index's postings and one ANN search, no
+    ranker."""
 
     def __init__(self, features: MentionFeatures, index: Any, n: int) -> None:
         self.features, self.index, self.n = features, index, int(n)
+        self.lead = leading_mentions(self.n)
 
     def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
         """(Q, n) int64 catalog rows of each query (texts and embeddings (Q, d))."""
@@ -68,8 +79,8 @@ class MentionedNeighbourhood:
         for i, (text, query, near) in enumerate(zip(texts, queries, nearest, strict=True)):
             held = self.features.mentions(text)
             similarity = embeddings[held] @ query  # (M,)
-            if len(held) > CONTEXT_MENTIONS:  # the nearest of a broad word's thousands
-                kept = np.argpartition(-similarity, CONTEXT_MENTIONS)[:CONTEXT_MENTIONS]
+            if len(held) > self.lead:  # the nearest of a broad word's thousands
+                kept = np.argpartition(-similarity, self.lead)[: self.lead]
                 held, similarity = held[kept], similarity[kept]
             held = held[np.argsort(-similarity, kind="stable")]
             out[i] = list(dict.fromkeys([*held.tolist(), *near.tolist()]))[: self.n]

@@ -22,13 +22,14 @@ from service.fanout.mentions import MentionWords
 from service.fanout.ranker import RankedNeighbourhood
 from service.routes.answer import RouteAnswer, RouteQuery, StageClock, selection_notes, stamp
 from service.routes.resolution import (
-    first_distinct_rows,
+    first_distinct,
     lead_with_nearest,
     resolve_in_context,
     resolve_items,
 )
 from service.runtime.encoder import Encoder, normalize
 from service.runtime.index import neighbour_rows
+from service.runtime.sampler import Draw
 
 
 class Sampler(Protocol):
@@ -36,10 +37,10 @@ class Sampler(Protocol):
 
     providers: list[str]
     config: dict
+    pointed: bool  # whether a draw holds its rows' weights over the context
 
-    def sample(self, query_emb: np.ndarray, seed: int | None = None,
-               noise: np.ndarray | None = None,
-               context: np.ndarray | None = None) -> np.ndarray: ...
+    def draw(self, query_emb: np.ndarray, seed: int | None = None,
+             noise: np.ndarray | None = None, context: np.ndarray | None = None) -> Draw: ...
 
 
 CONTEXT_SOURCES = ("nearest", "prompt", "ranked", "mentioned")
@@ -139,26 +140,29 @@ def repeat_draws(queries: np.ndarray, context: np.ndarray | None,
 
 
 def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | None,
-              context: np.ndarray | None, features: np.ndarray | None = None) -> np.ndarray:
-    """The sampler's rows (B, L, d) for queries (B, d). With `draws` D > 1 in its config, D
-    blocks per query come from one run over the batch repeated D times, and each query keeps
-    the L rows whose items are the first distinct ones, draw after draw
-    (`first_distinct_rows`): a row that repeats an item is replaced from the next draw.
-    context: the context's embeddings (B, C, d); features: what the sampler reads of it
-    (default: the embeddings)."""
+              context: np.ndarray | None, features: np.ndarray | None = None) -> Draw:
+    """The sampler's rows (B, L, d) for queries (B, d) (and their weights (B, L, C) when it
+    has them). With `draws` D > 1 in its config, D blocks per query come from one run over
+    the batch repeated D times, and each query keeps the L rows whose items are the first
+    distinct ones, draw after draw (`first_distinct`): a row that repeats an item is replaced
+    from the next draw. context: the context's embeddings (B, C, d); features: what the
+    sampler reads of it (default: the embeddings)."""
     features = context if features is None else features
     draws = int(sampler.config.get("draws", 1))
     if draws < 1:
         raise BundleError(f"diffusion.json: draws must be at least 1, got {draws}")
     if draws == 1:
-        return sampler.sample(queries, seed=seed, context=features)
+        return sampler.draw(queries, seed=seed, context=features)
     repeated, repeated_context = repeat_draws(queries, features, draws)
-    rows = sampler.sample(repeated, seed=seed, context=repeated_context)
-    b, length = len(queries), rows.shape[1]  # rows (B·D, L, d), each query's draws adjacent
-    if rows.shape[0] != b * draws:
-        raise RuntimeError(f"sampler returned {rows.shape[0]} blocks for {b * draws}")
-    rows = rows.reshape(b, draws * length, rows.shape[2])  # (B, D·L, d), draw after draw
-    return first_distinct_rows(index, rows, length, context)
+    drawn = sampler.draw(repeated, seed=seed, context=repeated_context)
+    b, length = len(queries), drawn.rows.shape[1]  # (B·D, L, d), each query's draws adjacent
+    if drawn.rows.shape[0] != b * draws:
+        raise RuntimeError(f"sampler returned {drawn.rows.shape[0]} blocks for {b * draws}")
+    rows = drawn.rows.reshape(b, draws * length, -1)  # (B, D·L, d), draw after draw
+    weights = None if drawn.weights is None else drawn.weights.reshape(b, draws * length, -1)
+    kept = first_distinct(index, rows, length, context, weights)[..., None]  # (B, L, 1)
+    return Draw(np.take_along_axis(rows, kept, axis=1),
+                None if weights is None else np.take_along_axis(weights, kept, axis=1))
 
 
 class DiffusionRoute:
@@ -173,6 +177,10 @@ class DiffusionRoute:
         self.context = DiffusionContext(bundle, sampler.config)
         # a mixture head's rows claim the items they point at (`claims` in diffusion.json)
         self.pointers = sampler.config.get("claims", "cosine") == "pointers"
+        if self.pointers and not sampler.pointed:
+            raise BundleError("diffusion.json says its rows claim what they point at, and its "
+                              "sampler returns no weights: re-export it (`r4t export "
+                              "diffusion`)")
 
     @property
     def providers(self) -> list[str]:
@@ -192,8 +200,8 @@ class DiffusionRoute:
             features = self.context.features(context, context_rows, queries,
                                              [q.text for q in batch])
             clock.lap("context")
-        rows = np.asarray(draw_rows(self.bundle.index, self.sampler, queries, self.seed,
-                                    context, features), dtype=np.float32)
+        drawn = draw_rows(self.bundle.index, self.sampler, queries, self.seed, context, features)
+        rows = np.asarray(drawn.rows, dtype=np.float32)
         if rows.ndim != 3 or rows.shape[0] != len(batch) or rows.shape[2] != queries.shape[1]:
             raise RuntimeError(f"sampler returned shape {rows.shape}, expected (B, L, d)")
         if not np.isfinite(rows).all():
@@ -207,7 +215,7 @@ class DiffusionRoute:
         else:
             selections, grounded = resolve_in_context(self.bundle.index, rows, context_rows,
                                                       context, queries, ks, wheres,
-                                                      self.pointers)
+                                                      drawn.weights if self.pointers else None)
         lead_with_nearest(self.bundle.index, selections, queries, [q.lead for q in batch],
                           wheres)
         clock.lap("search")

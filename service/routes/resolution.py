@@ -151,22 +151,22 @@ def _resolve_same_k(
 def resolve_in_context(
     index: VectorIndex, probes: np.ndarray, context_rows: np.ndarray, context: np.ndarray,
     queries: np.ndarray, ks: list[int], wheres: list[Where | None] | None = None,
-    pointers: bool = False,
+    weights: np.ndarray | None = None,
 ) -> tuple[list[Selection], np.ndarray]:
     """`resolve_items` with each query's candidates its context: probes (Q, L, d) claim among
     context_rows (Q, C) whose embeddings are context (Q, C, d). The student was trained to pick
     among these items (its teacher's action space), so a few dot products replace L catalog
     searches. A query with a metadata filter resolves against the catalog under it instead
     (the context is not filtered); groundedness is then measured against the catalog too.
-    `pointers`: the probes are mixtures of their context, and claim by their weights."""
+    `weights` (Q, L, C): the probes are mixtures of their context, and claim by them."""
     filters = wheres if wheres is not None else [None] * len(ks)
     selections = [Selection() for _ in ks]
     grounded = np.zeros(len(ks), dtype=np.float32)
     free = [i for i, where in enumerate(filters) if where is None]
     if free and probes.shape[1]:
-        claimed, grounded[free] = claim_in_context(probes[free], context_rows[free],
-                                                   context[free], [ks[i] for i in free],
-                                                   pointers)
+        claimed, grounded[free] = claim_in_context(
+            probes[free], context_rows[free], context[free], [ks[i] for i in free],
+            None if weights is None else weights[free])
         for j, i in enumerate(free):
             selections[i] = claimed[j]
     fill_short(index, selections, queries, ks, free)
@@ -180,30 +180,31 @@ def resolve_in_context(
 
 
 def claim_in_context(probes: np.ndarray, context_rows: np.ndarray, context: np.ndarray,
-                     ks: list[int], pointers: bool = False
+                     ks: list[int], weights: np.ndarray | None = None
                      ) -> tuple[list[Selection], np.ndarray]:
     """Round-robin claims of probes (Q, L, d), L ≥ 1, among context_rows (Q, C) with embeddings
-    context (Q, C, d), by cosine or, with `pointers`, by their mixture weights; and each
-    query's groundedness against them (Q,)."""
+    context (Q, C, d), by cosine or by the probes' mixture `weights` (Q, L, C) when given; and
+    each query's groundedness against them (Q,)."""
     cosines = np.einsum("qld,qcd->qlc", probes, context)  # (Q, L, C)
-    scores = mixture_weights(probes, context) if pointers else cosines
-    order = np.argsort(-scores, axis=2, kind="stable")  # (Q, L, C) best first
-    ranked = np.take_along_axis(scores, order, axis=2)  # (Q, L, C)
-    found = np.take_along_axis(context_rows[:, None, :], order, axis=2)  # (Q, L, C) rows
+    scores = cosines if weights is None else weights
+    ranked, found = best_first(scores, context_rows, probe_depth(scores.shape[1], max(ks),
+                                                                 scores.shape[2]))
     selections = [claim_round_robin(found[i], ranked[i], k) for i, k in enumerate(ks)]
     return selections, np.clip(cosines.max(axis=2), 0.0, 1.0).mean(axis=1)  # (Q,)
 
 
-def mixture_weights(probes: np.ndarray, context: np.ndarray, ridge: float = 1e-6) -> np.ndarray:
-    """(Q, L, C) the weights w with probe ∝ w · context, by least squares: a mixture head's
-    row is a convex mixture of its C context items, so while they are independent (C ≤ d) its
-    weights, which say the item each row points at, come back exactly; the ridge keeps
-    near-duplicate items solvable."""
-    items = context.astype(np.float64)  # (Q, C, d)
-    gram = items @ items.transpose(0, 2, 1)  # (Q, C, C)
-    gram += ridge * np.eye(gram.shape[1])
-    weights = np.linalg.solve(gram, items @ probes.astype(np.float64).transpose(0, 2, 1))
-    return weights.transpose(0, 2, 1)  # (Q, L, C)
+def best_first(scores: np.ndarray, rows: np.ndarray, depth: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Each probe's `depth` best items (scores (Q, L, C) over the items rows (Q, C)), best
+    first: their scores and rows, (Q, L, depth) each; round-robin claims never read deeper."""
+    if depth < scores.shape[2]:
+        part = np.argpartition(-scores, depth - 1, axis=2)[..., :depth]  # (Q, L, depth)
+        scores = np.take_along_axis(scores, part, axis=2)
+        rows = np.take_along_axis(rows[:, None, :], part, axis=2)  # (Q, L, depth)
+    else:
+        rows = np.broadcast_to(rows[:, None, :], scores.shape)
+    order = np.argsort(-scores, axis=2, kind="stable")  # (Q, L, depth)
+    return np.take_along_axis(scores, order, axis=2), np.take_along_axis(rows, order, axis=2)
 
 
 def fill_short(index: VectorIndex, selections: list[Selection], queries: np.ndarray,
@@ -248,21 +249,25 @@ def lead_with_nearest(index: VectorIndex, selections: list[Selection], queries: 
                                       led=len(head))
 
 
-def first_distinct_rows(index: VectorIndex, rows: np.ndarray, keep: int,
-                        context: np.ndarray | None = None) -> np.ndarray:
-    """(Q, R, d) rows in priority order → (Q, keep, d): per query, the rows whose items are the
-    first `keep` distinct ones; a repeat gives way to later rows and fills in only when too few
-    distinct items are found. A row's item is its nearest context item (Q, C, d) when given,
-    else its nearest catalog item; with draws concatenated, a colliding row of the first draw
-    is replaced by the next draws' rows.
+def first_distinct(index: VectorIndex, rows: np.ndarray, keep: int,
+                   context: np.ndarray | None = None,
+                   weights: np.ndarray | None = None) -> np.ndarray:
+    """(Q, R, d) rows in priority order → (Q, keep) positions of the rows to keep: per query,
+    the rows whose items are the first `keep` distinct ones; a repeat gives way to later rows
+    and fills in only when too few distinct items are found. A row's item is its heaviest
+    context item by its mixture `weights` (Q, R, C) when given, else its nearest context item
+    (Q, C, d) when given, else its nearest catalog item; with draws concatenated, a colliding
+    row of the first draw is replaced by the next draws' rows.
     """
     q, r, d = rows.shape
-    if context is not None:
+    if weights is not None:
+        top = np.argmax(weights, axis=2)  # (Q, R) context position
+    elif context is not None:
         top = np.argmax(rows @ context.transpose(0, 2, 1), axis=2)  # (Q, R) context position
     else:
         _, found = search(index, rows.reshape(q * r, d), 1)  # (Q·R, 1)
         top = found.reshape(q, r)  # (Q, R): each row's nearest catalog item
-    out = np.empty((q, keep, d), dtype=rows.dtype)
+    out = np.empty((q, keep), dtype=np.int64)
     for i in range(q):
         seen: set[int] = set()
         first: list[int] = []
@@ -270,5 +275,5 @@ def first_distinct_rows(index: VectorIndex, rows: np.ndarray, keep: int,
         for j, item in enumerate(top[i].tolist()):
             (first if item not in seen and len(first) < keep else later).append(j)
             seen.add(item)
-        out[i] = rows[i, (first + later)[:keep]]  # (keep, d)
+        out[i] = (first + later)[:keep]
     return out

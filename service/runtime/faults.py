@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from service.runtime.sampler import Draw
+
 
 class InjectedFaultError(RuntimeError):
     """Raised on purpose by a faulty runtime (R4T_FAULT_* settings)."""
@@ -36,7 +38,7 @@ class Stall:
 
 
 class FaultySampler:
-    """Wraps a sampler; once armed (after warm-up), each `sample` call (one batch) raises
+    """Wraps a sampler; once armed (after warm-up), each `draw` (one batch) raises
     with probability `rate`."""
 
     def __init__(self, sampler: Any, rate: float, seed: int | None = None) -> None:
@@ -50,11 +52,15 @@ class FaultySampler:
     def sample(self, query_emb: np.ndarray, seed: int | None = None,
                noise: np.ndarray | None = None, context: np.ndarray | None = None
                ) -> np.ndarray:
+        return self.draw(query_emb, seed, noise, context).rows
+
+    def draw(self, query_emb: np.ndarray, seed: int | None = None,
+             noise: np.ndarray | None = None, context: np.ndarray | None = None) -> Draw:
         with self._lock:
             fail = self.armed and self._random.random() < self.rate
         if fail:
             raise InjectedFaultError(f"injected fault (R4T_FAULT_DIFFUSION_RATE={self.rate})")
-        return self._sampler.sample(query_emb, seed=seed, noise=noise, context=context)
+        return self._sampler.draw(query_emb, seed=seed, noise=noise, context=context)
 
     def __getattr__(self, name: str) -> Any:  # anything else the path reads (e.g. describe)
         return getattr(self._sampler, name)

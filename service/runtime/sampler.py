@@ -1,14 +1,16 @@
 """The diffusion retriever's runtime: the exported whole-solver ONNX graph, numpy in and out.
 
 `diffusion/sampler.onnx` maps query embeddings (B, d), noise (B, L, d) and, for a model with a
-context, its items' vectors to L unit rows per query in one `session.run`, which
-service.routes.resolution resolves to items. CUDA is used when available; `step.onnx` (one
+context, its items' vectors to L unit rows per query in one `session.run` (and, for a mixture
+head, each row's weights over the context items), which service.routes.resolution resolves to
+items. CUDA is used when available; `step.onnx` (one
 denoiser evaluation) composes other samplers offline.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,16 @@ CONFIG_FILE = "diffusion.json"
 SAMPLER_FILE = "sampler.onnx"
 STEP_FILE = "step.onnx"
 CONTEXT_INPUT = "context"
+WEIGHTS_OUTPUT = "weights"  # a mixture head's (B, L, C): which context item each row is
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One run of the sampler: unit rows (B, L, d) and, for a mixture head, their weights
+    (B, L, C) over the context items (the rows are those mixtures), else None."""
+
+    rows: np.ndarray
+    weights: np.ndarray | None = None
 
 
 def read_config(diffusion_dir: Path) -> dict[str, Any]:
@@ -43,6 +55,8 @@ class DiffusionSampler:
             raise BundleError(f"{path} is missing")
         self.session = open_session(path, providers, threads)
         self.providers: list[str] = self.session.get_providers()
+        # whether the graph also returns its rows' weights over the context (a mixture head)
+        self.pointed = WEIGHTS_OUTPUT in [o.name for o in self.session.get_outputs()]
         self.rows = int(self.config["rows"])
         self.dim = int(self.config["dim"])
         self.context = int(self.config.get("context", 0))
@@ -74,11 +88,19 @@ class DiffusionSampler:
                context: np.ndarray | None = None) -> np.ndarray:
         """Generated rows (B, L, d), unit-norm, for query embeddings (B, d) and, when the model
         has one, their context (B, C, d [+ P])."""
+        return self.draw(query_emb, seed, noise, context).rows
+
+    def draw(self, query_emb: np.ndarray, seed: int | None = None,
+             noise: np.ndarray | None = None, context: np.ndarray | None = None) -> Draw:
+        """`sample`'s rows, with their weights over the context when the graph has them."""
         feeds = self.feeds(query_emb, context)
         batch = len(feeds["query"])
         if noise is None:
             noise = self.noise(batch, seed)
         if batch == 0:
-            return np.zeros((0, self.rows, self.dim), dtype=np.float32)
+            return Draw(np.zeros((0, self.rows, self.dim), dtype=np.float32),
+                        np.zeros((0, self.rows, self.context), dtype=np.float32)
+                        if self.pointed else None)
         feeds["noise"] = np.ascontiguousarray(noise, dtype=np.float32)
-        return self.session.run(["rows"], feeds)[0]
+        found = self.session.run(["rows", *([WEIGHTS_OUTPUT] if self.pointed else [])], feeds)
+        return Draw(found[0], found[1] if self.pointed else None)

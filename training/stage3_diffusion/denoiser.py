@@ -45,11 +45,11 @@ from torch import nn
 from service.errors import BundleError, InputError
 from service.fanout.candidates import CANDIDATE_SOURCES, UNRECORDED_SOURCE
 from service.fanout.format import PROMPT_RECIPE
-from service.fanout.mention_context import CONTEXT_MENTIONS, MENTION_WIDTH
+from service.fanout.mention_context import MENTION_WIDTH
 from service.routes.diffusion import CONTEXT_SOURCES
 from training.stage2_synthesis.teachers import RANKED_CONTEXT
 
-STANDALONE_CONTEXT = CONTEXT_MENTIONS + 32  # its nearest mentions, then 32 nearest at least
+STANDALONE_CONTEXT = 48  # its 32 nearest mentions, then its nearest items
 # Options of earlier configs whose other values were removed: their surviving value.
 REMOVED_OPTIONS: dict[str, str] = {"conditioning": "adaln", "head": "vector"}
 
@@ -332,6 +332,22 @@ class Denoiser(nn.Module):
         both_context = None if context is None else torch.cat([context, context])  # (2B, C, d)
         both = self(torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([query, query]),
                     keep, both_context)  # (2B, L, d)
+        cond, uncond = both[:b], both[b:]
+        return cond + cfg_weight * (cond - uncond)
+
+    def guided_weights(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
+                       cfg_weight: float, context: torch.Tensor) -> torch.Tensor:
+        """(B, L, C) the weights of a mixture head's `guided` D over its context items: D is
+        weights @ context embeddings (guidance is linear in them), so they say which item
+        each row points at."""
+        if cfg_weight == 0.0:
+            return torch.softmax(self.context_logits(x, sigma, query, None, context), -1)
+        b = x.shape[0]
+        keep = torch.cat([torch.ones(b), torch.zeros(b)]).to(x)  # (2B,)
+        logits = self.context_logits(torch.cat([x, x]), torch.cat([sigma, sigma]),
+                                     torch.cat([query, query]), keep,
+                                     torch.cat([context, context]))  # (2B, L, C)
+        both = torch.softmax(logits, -1)
         cond, uncond = both[:b], both[b:]
         return cond + cfg_weight * (cond - uncond)
 

@@ -1,15 +1,17 @@
 """Export the trained denoiser and its whole sampler to ONNX, into the bundle folder `diffusion/`.
 
 - `step.onnx`: one guided denoiser evaluation D(x; σ, q) (inputs x (B,L,d), sigma (B,),
-  query (B,d), and context (B,C,d) when the model has one; output denoised (B,L,d)), exported
+  query (B,d), and context (B,C,d) when the model has one; output denoised (B,L,d), and for a
+  mixture head its weights (B,L,C) over the context items), exported
   by torch.onnx's dynamo exporter from `Denoiser.guided`, CFG folded in as
   D = D_c + w·(D_c − D_u). Samplers with other schedules are composed from it.
 - `sampler.onnx`: the whole solver (inputs query (B,d), [context (B,C,d): the embeddings of C
   catalog items, best first, per `context_source`], noise (B,L,d) standard normal; output rows
-  (B,L,d), unit-norm), composed from the step graph: either unrolled (one copy of the step's
-  nodes per evaluation, sharing the weights) or as an ONNX `Loop` whose body holds the step;
-  both run in one `session.run`. Several draws per query (`draws`) are not in the graph: the
-  service runs it over the batch repeated (`service.routes.diffusion.draw_rows`).
+  (B,L,d), unit-norm, and a mixture head's `weights` (B,L,C) of the last evaluation, which
+  the rows are), composed from the step graph: either unrolled (one copy of the step's nodes
+  per evaluation, sharing the weights) or as an ONNX `Loop` whose body holds the step, the last
+  step unrolled; both run in one `session.run`. Several draws per query (`draws`) are not in
+  the graph: the service runs it over the batch repeated (`service.routes.diffusion.draw_rows`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch import nn
 
 from service.artifacts.bundle import config_hash, read_manifest, stage
 from service.errors import BundleError, InputError
-from service.runtime.sampler import CONTEXT_INPUT
+from service.runtime.sampler import CONTEXT_INPUT, WEIGHTS_OUTPUT
 from training.stage3_diffusion.denoiser import (
     PRESETS,
     Denoiser,
@@ -70,15 +72,20 @@ class ExportConfig:
 
 class GuidedStep(nn.Module):
     """`Denoiser.guided` at a fixed w, as the exported step's forward: x (B,L,d), sigma (B,),
-    query (B,d) [, context (B,C,d)] → D (B,L,d)."""
+    query (B,d) [, context (B,C,d)] → D (B,L,d), and for a mixture head D's weights
+    (B,L,C) over the context items (D = weights @ their embeddings)."""
 
     def __init__(self, model: Denoiser, cfg_weight: float) -> None:
         super().__init__()
         self.model, self.cfg_weight = model, cfg_weight
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
-                context: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.guided(x, sigma, query, self.cfg_weight, context)
+                context: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not self.model.config.reads_items or context is None:
+            return self.model.guided(x, sigma, query, self.cfg_weight, context)
+        weights = self.model.guided_weights(x, sigma, query, self.cfg_weight, context)
+        return weights @ context[..., : self.model.config.dim], weights  # (B, L, d), weights
 
 
 def export_step(model: Denoiser, cfg_weight: float, path: Path) -> onnx.ModelProto:
@@ -93,7 +100,8 @@ def export_step(model: Denoiser, cfg_weight: float, path: Path) -> onnx.ModelPro
         names.append(CONTEXT_INPUT)
     program = torch.onnx.export(
         GuidedStep(model, cfg_weight).eval(), example, dynamo=True, optimize=True,
-        input_names=names, output_names=["denoised"],
+        input_names=names,
+        output_names=["denoised", *([WEIGHTS_OUTPUT] if config.reads_items else [])],
         dynamic_shapes=tuple({0: batch} for _ in example), verbose=False,
     )
     program.save(str(path))
@@ -107,6 +115,7 @@ class GraphWriter:
         self.step, self.nodes, self.prefix = step, nodes, prefix
         self.shared = {init.name for init in step.graph.initializer}
         self.count = 0
+        self.weights: str | None = None  # the last inlined step's weights output, if any
 
     def name(self, hint: str) -> str:
         self.count += 1
@@ -124,7 +133,8 @@ class GraphWriter:
         return out
 
     def denoise(self, x: str, sigma_b: str, query: str) -> str:
-        """Inline one copy of the step graph; returns the name of its `denoised` output."""
+        """Inline one copy of the step graph; returns the name of its `denoised` output (its
+        weights output, when it has one, in `self.weights`)."""
         copy = self.name("step") + "."
         bound = {"x": x, "sigma": sigma_b, "query": query}
         if step_context(self.step)[0]:
@@ -143,7 +153,9 @@ class GraphWriter:
             clone.input[:] = [rename(v) for v in node.input]
             clone.output[:] = [rename(v) for v in node.output]
             self.nodes.append(clone)
-        return rename(self.step.graph.output[0].name)
+        outputs = [rename(value.name) for value in self.step.graph.output]
+        self.weights = outputs[1] if len(outputs) > 1 else None
+        return outputs[0]
 
 
 def emit_step(w: GraphWriter, heun: bool, sigma: str, sigma_next: str, x: str, query: str,
@@ -208,7 +220,9 @@ def sampler_inputs(rows: int, dim: int, context: tuple[int, int]) -> list[onnx.V
 def compose_sampler(step: onnx.ModelProto, rows: int, dim: int, solver: str, steps: int,
                     sigma_min: float, sigma_max: float, form: str = "unrolled") -> onnx.ModelProto:
     """The whole solver as one graph: query (B,d) [, context (B,C,d) when the step graph takes
-    one], noise (B,L,d) → rows (B,L,d), unit-norm."""
+    one], noise (B,L,d) → rows (B,L,d), unit-norm [, the last evaluation's weights (B,L,C)
+    when the step graph has them]. The last step (to σ = 0) is always unrolled: Heun's is
+    Euler's, and its weights are the graph's."""
     if form not in ("unrolled", "loop"):
         raise ValueError(f"form must be 'unrolled' or 'loop', got {form!r}")
     solver_evaluations(solver, steps)  # validates the solver name
@@ -222,7 +236,7 @@ def compose_sampler(step: onnx.ModelProto, rows: int, dim: int, solver: str, ste
     if form == "loop":
         table = numpy_helper.from_array(np.asarray(schedule, np.float32), "sampler.sigmas")
         initializers.append(table)
-        looped = steps - 1 if heun else steps  # Heun's last step (to σ = 0) is Euler
+        looped = steps - 1
         x = _loop(w, step, heun, table.name, looped, x, "query", batch) if looped else x
         pairs = list(pairwise(schedule[looped:]))
     else:
@@ -234,11 +248,15 @@ def compose_sampler(step: onnx.ModelProto, rows: int, dim: int, solver: str, ste
                               keepdims=1)])
     nodes.append(helper.make_node("Div", [x, w.op("Max", [norm, w.const(1e-12)])], ["rows"],
                                   name="sampler.unit_rows"))
-    graph = helper.make_graph(
-        nodes, f"{solver}_{steps}_{form}", sampler_inputs(rows, dim, step_context(step)),
-        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["batch", rows, dim])],
-        initializer=initializers,
-    )
+    outputs = [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["batch", rows, dim])]
+    if w.weights is not None:
+        nodes.append(helper.make_node("Identity", [w.weights], [WEIGHTS_OUTPUT],
+                                      name="sampler.weights"))
+        outputs.append(helper.make_tensor_value_info(
+            WEIGHTS_OUTPUT, TensorProto.FLOAT, ["batch", rows, step_context(step)[0]]))
+    graph = helper.make_graph(nodes, f"{solver}_{steps}_{form}",
+                              sampler_inputs(rows, dim, step_context(step)), outputs,
+                              initializer=initializers)
     model = helper.make_model(graph, opset_imports=list(step.opset_import),
                               producer_name="r4t")
     model.ir_version = step.ir_version
@@ -251,7 +269,8 @@ def preset_name(model: Denoiser) -> str:
 
 
 def parity(model: Denoiser, sampler: onnx.ModelProto, config: ExportConfig) -> float:
-    """Max |ONNX − PyTorch| over a batch of random unit queries with fixed noise."""
+    """Max |ONNX − PyTorch| over a batch of random unit queries with fixed noise (and, for a
+    mixture head, max |rows − their weights' mixture|)."""
     import onnxruntime as ort
 
     rng = np.random.default_rng(config.seed)
@@ -273,7 +292,13 @@ def parity(model: Denoiser, sampler: onnx.ModelProto, config: ExportConfig) -> f
     torch_rows = sample(model, torch.from_numpy(query), config.solver, config.steps,
                         config.cfg_weight, noise=torch.from_numpy(noise),
                         context=context).numpy()
-    return float(np.abs(onnx_rows - torch_rows).max())
+    diff = float(np.abs(onnx_rows - torch_rows).max())
+    if mc.reads_items:  # the rows are the mixture its weights say, which the service claims by
+        weights = session.run([WEIGHTS_OUTPUT], feeds)[0]  # (B, L, C)
+        mixed = weights @ feeds[CONTEXT_INPUT][..., : mc.dim]  # (B, L, d)
+        mixed /= np.linalg.norm(mixed, axis=-1, keepdims=True)
+        diff = max(diff, float(np.abs(mixed - onnx_rows).max()))
+    return diff
 
 
 def sampler_evaluations_flops(config: dict[str, Any], solver: str, steps: int) -> tuple[int, int]:

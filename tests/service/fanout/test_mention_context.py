@@ -8,13 +8,13 @@ import pytest
 
 from service.artifacts.bundle import load_bundle
 from service.fanout.mention_context import (
-    CONTEXT_MENTIONS,
     MENTION_WIDTH,
     NUMERIC,
     WORDS,
     MentionContext,
     MentionedNeighbourhood,
     encode_mentions,
+    leading_mentions,
 )
 from service.fanout.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
 from service.runtime.encoder import Encoder
@@ -59,11 +59,11 @@ def test_a_mentioned_context_leads_with_the_nearest_mentions_then_the_nearest(bu
     texts = ["tree", "zzqx"]
     queries = Encoder(bundle.encoder_config).encode(texts)
     features = MentionFeatures(bundle)
-    n = CONTEXT_MENTIONS + 8
+    n = 3 * 20  # leads with up to 40 mentions
     rows = MentionedNeighbourhood(features, bundle.index, n).rows(texts, queries)
     assert rows.shape == (2, n) and all(len(set(r.tolist())) == n for r in rows)
     held = features.mentions("tree")
-    assert 0 < len(held) < n  # the small catalog: every mention leads, the nearest fill
+    assert 0 < len(held) < leading_mentions(n)  # the small catalog: every mention leads
     lead = rows[0, : len(held)]
     assert set(lead.tolist()) == set(held.tolist())
     similarity = bundle.items.embeddings[lead] @ queries[0]
@@ -72,3 +72,19 @@ def test_a_mentioned_context_leads_with_the_nearest_mentions_then_the_nearest(bu
     fill = [r for r in nearest[0].tolist() if r not in set(held.tolist())]
     assert rows[0, len(held):].tolist() == fill[: n - len(held)]
     np.testing.assert_array_equal(rows[1], nearest[1])  # no mention: the nearest alone
+
+
+def test_a_small_context_keeps_two_thirds_for_the_nearest_mentions(bundle):
+    texts = ["tree"]
+    queries = Encoder(bundle.encoder_config).encode(texts)
+    features = MentionFeatures(bundle)
+    held = features.mentions("tree")
+    n = 6
+    lead = leading_mentions(n)
+    assert lead == 4 and len(held) > lead  # more mentions than the context leads with
+    rows = MentionedNeighbourhood(features, bundle.index, n).rows(texts, queries)[0]
+    similarity = bundle.items.embeddings[held] @ queries[0]
+    assert rows[:lead].tolist() == held[np.argsort(-similarity, kind="stable")][:lead].tolist()
+    nearest = neighbour_rows(bundle.index, queries, n)[0].tolist()
+    assert rows[lead:].tolist() == [r for r in nearest if r not in set(rows[:lead].tolist())][
+        : n - lead]

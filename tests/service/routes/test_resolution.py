@@ -8,10 +8,10 @@ import pytest
 
 from service.artifacts.bundle import load_bundle
 from service.routes.resolution import (
+    claim_in_context,
     claim_round_robin,
-    first_distinct_rows,
+    first_distinct,
     lead_with_nearest,
-    mixture_weights,
     resolve_in_context,
     resolve_items,
 )
@@ -89,18 +89,22 @@ def test_claims_go_to_the_most_confident_probe_first():
     assert picked.rows == [5, 6] and picked.slots == [1, 0]
 
 
-def test_first_distinct_rows_replace_a_repeated_item_from_later_rows():
+def test_first_distinct_replaces_a_repeated_item_from_later_rows():
     catalog = np.eye(6, dtype=np.float32)
     index = build_index(catalog)
     near = lambda i: 0.9 * catalog[i] + 0.1 * catalog[5]  # noqa: E731 - a row near item i
     rows = np.stack([[near(0), near(1), near(1), near(2), near(3), near(2)],
                      [near(4), near(4), near(4), near(4), near(0), near(0)]])  # (2, 6, 6)
-    kept = first_distinct_rows(index, rows, 3)  # (2, 3, 6)
-    assert np.array_equal(kept[0], rows[0, [0, 1, 3]])  # the second "1" gives way to a "2"
+    kept = first_distinct(index, rows, 3)  # (2, 3)
+    assert kept[0].tolist() == [0, 1, 3]  # the second "1" gives way to a "2"
     # only two distinct items: the first repeat fills the last slot
-    assert np.array_equal(kept[1], rows[1, [0, 4, 1]])
+    assert kept[1].tolist() == [0, 4, 1]
     # the items as a context: the same choice without a catalog search
-    assert np.array_equal(first_distinct_rows(index, rows, 3, np.stack([catalog, catalog])), kept)
+    context = np.stack([catalog, catalog])
+    assert np.array_equal(first_distinct(index, rows, 3, context), kept)
+    # weights that point elsewhere decide instead: rows 1 and 2 now point at items 1 and 4
+    weights = np.eye(6, dtype=np.float32)[[[0, 1, 4, 2, 3, 2], [4, 4, 4, 4, 0, 0]]]
+    assert first_distinct(index, rows, 3, context, weights)[0].tolist() == [0, 1, 2]
 
 
 def test_context_resolution_claims_only_context_items_nearest_first():
@@ -189,16 +193,6 @@ def test_a_lead_puts_the_querys_own_nearest_first_at_the_same_length():
     assert all(len(s.rows) == 10 == len(set(s.rows)) for s in selections)
 
 
-def test_a_mixture_s_weights_come_back_from_its_row():
-    rng = np.random.default_rng(0)
-    context = normalize(rng.standard_normal((2, 6, 16)).astype(np.float32))  # (Q, C, d), C < d
-    weights = rng.dirichlet(np.ones(6), size=(2, 3))  # (Q, L, C) convex
-    probes = normalize((weights @ context).astype(np.float32))  # unit rows, as served
-    found = mixture_weights(probes, context)  # (Q, L, C), up to each row's scale
-    scale = found.sum(axis=2, keepdims=True)
-    np.testing.assert_allclose(found / scale, weights, atol=1e-4)
-
-
 def test_pointer_claims_take_the_item_a_mixture_points_at_where_cosine_would_not():
     index, items = random_index()
     context_rows = np.array([[10, 11, 12, 13]])  # (1, C)
@@ -208,7 +202,23 @@ def test_pointer_claims_take_the_item_a_mixture_points_at_where_cosine_would_not
     probes = normalize((weights @ context).astype(np.float32))
     cosine, _ = resolve_in_context(index, probes, context_rows, context, items[:1], [2])
     pointed, _ = resolve_in_context(index, probes, context_rows, context, items[:1], [2],
-                                    pointers=True)
+                                    weights=weights.astype(np.float32))
     assert set(pointed[0].rows) == {10, 13}  # each row's heaviest item
     assert (probes[0] @ context[0].T).argmax(axis=1).tolist() == [1, 3]
     assert set(cosine[0].rows) == {11, 13}  # cosine claims the first row's nearest instead
+
+
+
+def test_claims_read_only_as_deep_as_round_robin_can_reach():
+    rng = np.random.default_rng(3)
+    q, probes, c, d = 5, 10, 40, 8
+    rows = np.stack([rng.permutation(1000)[:c] for _ in range(q)])  # (Q, C)
+    context = normalize(rng.standard_normal((q, c, d)).astype(np.float32))
+    weights = rng.random((q, probes, c)).astype(np.float32)  # (Q, L, C)
+    weights[:, :, 7] += 1.0  # every probe's best item is one: many rounds of collisions
+    for k in (10, 30):  # depth 16 of 40, then all 40
+        claimed, _ = claim_in_context(context[:, :probes], rows, context, [k] * q, weights)
+        for i in range(q):
+            order = np.argsort(-weights[i], axis=1, kind="stable")  # the whole ranking
+            full = claim_round_robin(rows[i][order], np.take_along_axis(weights[i], order, 1), k)
+            assert claimed[i].rows == full.rows and claimed[i].slots == full.slots

@@ -77,3 +77,33 @@ def test_a_sampler_with_context_needs_it_and_uses_it(context_dir):
     assert rows.shape == (3, 10, 128)
     assert not np.allclose(rows, whole.sample(queries, seed=0, context=context[:, ::-1]))
 
+
+
+@pytest.mark.parametrize("form", ["unrolled", "loop"])
+def test_a_mixture_head_returns_the_weights_its_rows_are(tmp_path, form):
+    import torch
+
+    torch.set_num_threads(1)
+    directory = tiny_diffusion_dir(tmp_path, solver="heun", steps=2, context=4, form=form,
+                                   parts=("name",))
+    sampler = DiffusionSampler(directory, threads=1)
+    assert sampler.pointed and sampler.config["claims"] == "pointers"
+    queries = _queries(3)
+    context = np.concatenate([np.stack([_queries(4) for _ in range(3)]),  # (3, 4, 128 + 1)
+                              np.full((3, 4, 1), 0.5, np.float32)], axis=2)
+    drawn = sampler.draw(queries, seed=0, context=context)
+    assert drawn.weights is not None and drawn.weights.shape == (3, 10, 4)
+    np.testing.assert_allclose(drawn.weights.sum(axis=2), 1.0, atol=1e-5)  # guided, still 1
+    mixed = drawn.weights @ context[..., :128]  # (3, 10, 128)
+    mixed /= np.linalg.norm(mixed, axis=2, keepdims=True)
+    np.testing.assert_allclose(drawn.rows, mixed, atol=1e-4)
+    assert np.array_equal(sampler.sample(queries, seed=0, context=context), drawn.rows)
+    empty = sampler.draw(queries[:0], context=context[:0])
+    assert empty.rows.shape == (0, 10, 128) and empty.weights.shape == (0, 10, 4)
+
+
+def test_a_vector_head_returns_no_weights(context_dir):
+    sampler = DiffusionSampler(context_dir, threads=1)
+    context = np.stack([_queries(4) for _ in range(2)])
+    assert not sampler.pointed
+    assert sampler.draw(_queries(2), seed=0, context=context).weights is None

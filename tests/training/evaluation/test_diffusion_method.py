@@ -9,7 +9,7 @@ from service.artifacts.bundle import load_bundle
 from service.errors import InputError
 from service.fanout.candidates import Candidates
 from service.routes.diffusion import draw_rows
-from service.routes.resolution import first_distinct_rows
+from service.routes.resolution import first_distinct
 from service.runtime.encoder import Encoder
 from tests.training.stage3_diffusion.proxy_dataset import tiny_checkpoint
 from training.evaluation.auto import auto
@@ -45,15 +45,16 @@ def test_resolution_returns_k_distinct_ids(bundle):
 
 
 def _record(sampler):
-    """Wrap `sampler.sample` to keep the (rows, context) of every call."""
+    """Wrap `sampler.draw` to keep the (rows, context) of every run."""
     calls = []
-    original = sampler.sample
+    original = sampler.draw
 
     def recording(query_emb, seed=None, noise=None, context=None):
-        calls.append((original(query_emb, seed, noise, context), context))
-        return calls[-1][0]
+        drawn = original(query_emb, seed, noise, context)
+        calls.append((drawn.rows, context))
+        return drawn
 
-    sampler.sample = recording
+    sampler.draw = recording
     return calls
 
 
@@ -124,8 +125,9 @@ def test_draws_sample_the_batch_again_and_replace_repeated_items(bundle, tmp_pat
     assert len(raw) == 1 and len(rows) == len(context) == 4  # one run, the batch repeated
     assert [len(set(a.selection.rows)) for a in answers] == [10, 10]
     kept = draw_rows(served.index, sampler, Encoder(served.encoder_config).encode(["dog", "tool"]),
-                     0, context[::2])  # (2, 10, d)
-    expected = first_distinct_rows(served.index, rows.reshape(2, 20, -1), 10, context[::2])
+                     0, context[::2]).rows  # (2, 10, d)
+    positions = first_distinct(served.index, rows.reshape(2, 20, -1), 10, context[::2])
+    expected = np.take_along_axis(rows.reshape(2, 20, -1), positions[..., None], axis=1)
     assert np.array_equal(kept, expected)
     picked = np.argmax(kept @ context[::2].transpose(0, 2, 1), axis=2)  # (2, 10)
     first = np.argmax(rows[::2] @ context[::2].transpose(0, 2, 1), axis=2)  # draw 1's picks

@@ -118,7 +118,8 @@ def tiny_checkpoint(run_dir: Path, rows: int = 10, steps: int = 20, context: int
 
 
 def tiny_diffusion_dir(directory: Path, solver: str = "heun", steps: int = 3,
-                       cfg_weight: float = 0.1, rows: int = 10, context: int = 0) -> Path:
+                       cfg_weight: float = 0.1, rows: int = 10, context: int = 0,
+                       form: str = "unrolled", **model: Any) -> Path:
     """A tiny exported `diffusion/` folder (step.onnx, sampler.onnx, diffusion.json).
 
     A few training steps leave the zero-initialised output layers near zero, so the weights
@@ -129,11 +130,13 @@ def tiny_diffusion_dir(directory: Path, solver: str = "heun", steps: int = 3,
     from training.stage3_diffusion.export import ExportConfig, write_sampler
     from training.stage3_diffusion.trainer import load_ema
 
-    model, _ = load_ema(tiny_checkpoint(directory / "run", rows=rows, context=context))
+    denoiser, _ = load_ema(tiny_checkpoint(directory / "run", rows=rows, context=context,
+                                           **model))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in model.parameters():
+        for p in denoiser.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=generator))
     out = directory / "diffusion"
-    write_sampler(model, ExportConfig(solver=solver, steps=steps, cfg_weight=cfg_weight), out)
+    write_sampler(denoiser, ExportConfig(solver=solver, steps=steps, cfg_weight=cfg_weight,
+                                         form=form), out)
     return out
