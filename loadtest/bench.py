@@ -31,7 +31,7 @@ from service.api.state import settle_heap
 from service.arguments import positive_list
 from service.artifacts.bundle import Bundle, load_bundle, require_stages
 from service.errors import R4TError
-from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR
+from service.ranker.ranker import RANKER_CONFIG, RANKER_DIR
 from service.routes.answer import RouteQuery, searched_s
 from service.routes.diffusion import DiffusionRoute
 from service.routes.ranked import RankedRoute

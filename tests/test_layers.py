@@ -18,6 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("service.runtime",),
     ("service.artifacts",),
     ("service.fanout",),
+    ("service.ranker",),
     ("service.backends",),
     ("service.routes",),
     ("service.settings", "service.metrics"),
@@ -27,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training.device", "training.commands", "training.shipped", "training.progress",
      "training.library_noise"),
     ("training.data",),
+    ("training.ranker",),
     ("training.stage1_fanout",),
     ("training.stage2_synthesis",),
     ("training.stage3_diffusion",),
@@ -94,11 +96,11 @@ def test_an_upward_import_is_found(tmp_path: Path) -> None:
     (tmp_path / "service" / "runtime" / "index.py").write_text(
         "def f():\n    from service.api.app import create_app\n    return create_app\n")
     assert upward_imports(tmp_path) == [
-        "service.runtime.index (layer 1) imports service.api.app (layer 8)",
-        "service.runtime.index (layer 1) imports service.api.app.create_app (layer 8)"]
+        "service.runtime.index (layer 1) imports service.api.app (layer 9)",
+        "service.runtime.index (layer 1) imports service.api.app.create_app (layer 9)"]
 
 
-@pytest.mark.parametrize("module, layer", [("service.routes.diffusion", 5), ("service", 9),
-                                           ("training.data.metrics", 11)])
+@pytest.mark.parametrize("module, layer", [("service.routes.diffusion", 6), ("service", 10),
+                                           ("training.data.metrics", 12)])
 def test_a_module_takes_its_longest_prefixs_layer(module: str, layer: int) -> None:
     assert layer_of(module) == layer

@@ -20,9 +20,9 @@ from training.data.catalog import Catalog, load_catalog
 from training.device import device_of, distributed
 from training.evaluation.routes import select_routes
 from training.launcher import launch_grpo
+from training.ranker.lambdarank import train_ranker
 from training.recipe import NEEDS_TORCH, Recipe
 from training.shipped import ShippedStages
-from training.stage1_fanout.ranker import train_ranker
 
 RUN_KEY = "build-key.json"  # in a stage's run folder: the config and inputs it was started for
 

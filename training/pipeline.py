@@ -43,9 +43,9 @@ from training.data.bundle_stages import (
 from training.data.catalog import WORDNET
 from training.evaluation.routes import routes_stage_config
 from training.progress import BuildProgress
+from training.ranker.lambdarank import RankerTrainConfig, ranker_stage_config
 from training.recipe import NEEDS_TORCH, Recipe, init_key, resolve_recipe
 from training.shipped import SHIPPED_STAGES, ShippedStages
-from training.stage1_fanout.ranker import RankerTrainConfig, ranker_stage_config
 
 CATALOG_STAGES = ("catalog", "lexical", "benchmark")
 LABELED_STAGES = ("benchmark", "ranker", "routes")  # skipped for a catalog without a benchmark

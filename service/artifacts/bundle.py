@@ -339,7 +339,7 @@ class Bundle:
     items: ItemStore
     index: VectorIndex
     lexical: LexicalIndex | None = None  # the catalog's BM25 index, when the bundle has one
-    # what readers compute once per bundle from its files (service.fanout.words), dropped with it
+    # what readers compute once per bundle from its files (service.ranker.words), dropped with it
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property

@@ -48,7 +48,7 @@ def context_features(context: np.ndarray, parts: ItemParts | None, rows: np.ndar
     """(B, C, d [+ P] [+ M]) what a student's context holds of its rows (B, C): their
     embeddings `context` (B, C, d), with `parts` the query's cosine to each of their parts, and
     the mention columns `mentions` (B, C, M) when given
-    (service.fanout.mention_context)."""
+    (service.ranker.mention_context)."""
     columns = [context]
     if parts is not None and queries is not None:
         columns.append(parts.similarities(rows, queries))

@@ -17,9 +17,9 @@ from service.artifacts.parts import ItemParts, context_features
 from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
-from service.fanout.mention_context import MentionContext, MentionedNeighbourhood
-from service.fanout.mentions import MentionWords
-from service.fanout.ranker import RankedNeighbourhood
+from service.ranker.mention_context import MentionContext, MentionedNeighbourhood
+from service.ranker.mentions import MentionWords
+from service.ranker.ranker import RankedNeighbourhood, ScoredCandidates
 from service.routes.answer import RouteAnswer, RouteQuery, StageClock, selection_notes, stamp
 from service.routes.resolution import (
     first_distinct,
@@ -56,19 +56,21 @@ class DiffusionContext:
     export (`context_source` in diffusion.json): "nearest", the query's C nearest items (one
     search), "prompt", the C items the fan-out prompt names (`PromptNeighbourhood`), "ranked",
     the ranker's best C candidates (`RankedNeighbourhood`), or "mentioned", the query's nearest
-    mentions then its nearest items (`MentionedNeighbourhood`)."""
+    mentions then its nearest items (`MentionedNeighbourhood`). `scored`: the bundle's ranker,
+    when the assembly has built it, so that it is loaded once."""
 
-    def __init__(self, bundle: Bundle, config: dict[str, Any]) -> None:
+    def __init__(self, bundle: Bundle, config: dict[str, Any],
+                 scored: ScoredCandidates | None = None) -> None:
         self.bundle, self.n = bundle, int(config.get("context", 0))
         self.source = str(config.get("context_source", "nearest"))
         if self.source not in CONTEXT_SOURCES:
             raise BundleError(f"unknown diffusion context source {self.source!r}; "
                               f"use one of {CONTEXT_SOURCES}")
         self.parts = self._parts(bundle, tuple(config.get("parts", ())))
-        self.mentions = self._mentions(bundle, config.get("mention_words"))
+        self.mentions = self._mentions(bundle, config.get("mention_words"), scored)
         self.prompt: ContextLookup | None = None
         if self.n and self.source == "ranked":  # a student distilled from the ranker
-            self.prompt = RankedNeighbourhood(bundle, self.n)
+            self.prompt = RankedNeighbourhood(scored or ScoredCandidates(bundle), self.n)
         elif self.n and self.source == "mentioned":
             if self.mentions is None:
                 raise BundleError("a 'mentioned' context is read with its mention features: "
@@ -80,7 +82,8 @@ class DiffusionContext:
                                               bundle.items.embeddings, self.n)
 
     @staticmethod
-    def _mentions(bundle: Bundle, words: dict[str, list[str]] | None) -> MentionContext | None:
+    def _mentions(bundle: Bundle, words: dict[str, list[str]] | None,
+                  scored: ScoredCandidates | None) -> MentionContext | None:
         """The mention columns the model reads (`mention_words` in diffusion.json: the words
         either side of a mention its encoding tells apart), from the bundle's lexical index."""
         if words is None:
@@ -89,7 +92,8 @@ class DiffusionContext:
             raise BundleError("the diffusion model reads mention features: the bundle needs its "
                               "lexical index (`r4t catalog` builds it)")
         return MentionContext(bundle, MentionWords(tuple(words.get("before", ())),
-                                                   tuple(words.get("after", ()))))
+                                                   tuple(words.get("after", ()))),
+                              None if scored is None else scored.features)
 
     @staticmethod
     def _parts(bundle: Bundle, names: tuple[str, ...]) -> ItemParts | None:
@@ -171,10 +175,13 @@ class DiffusionRoute:
     name = "diffusion"
 
     def __init__(
-        self, bundle: Bundle, encoder: Encoder, sampler: Sampler, seed: int | None = None
+        self, bundle: Bundle, encoder: Encoder, sampler: Sampler, seed: int | None = None,
+        scored: ScoredCandidates | None = None,
     ) -> None:
+        """`scored`: the bundle's ranker, built once by the assembly (else loaded here when
+        the context needs it)."""
         self.bundle, self.encoder, self.sampler, self.seed = bundle, encoder, sampler, seed
-        self.context = DiffusionContext(bundle, sampler.config)
+        self.context = DiffusionContext(bundle, sampler.config, scored)
         # a mixture head's rows claim the items they point at (`claims` in diffusion.json)
         self.pointers = sampler.config.get("claims", "cosine") == "pointers"
         if self.pointers and not sampler.pointed:

@@ -1,6 +1,6 @@
 """The `ranked` route: encode → candidates from the hybrid list and the catalog's mentions →
 features → the bundle's ranker scores them → k picked greedily, redundancy-penalised
-(service.fanout.ranker). No generative model: a few ms of CPU per query."""
+(service.ranker.ranker). No generative model: a few ms of CPU per query."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.bundle import Bundle
-from service.fanout.mentions import MentionFeatures
-from service.fanout.ranker import Ranker, ScoredCandidates
+from service.ranker.mentions import MentionFeatures
+from service.ranker.ranker import Ranker, ScoredCandidates
 from service.routes.picks import PickingRoute
 from service.runtime.encoder import Encoder
 
@@ -23,9 +23,12 @@ class RankedRoute(PickingRoute):
     choice_stage = "rank"
 
     def __init__(self, bundle: Bundle, encoder: Encoder, ranker: Ranker | None = None,
-                 features: MentionFeatures | None = None) -> None:
+                 features: MentionFeatures | None = None,
+                 scored: ScoredCandidates | None = None) -> None:
+        """`scored`: the bundle's ranker, built once by the assembly; else one of `ranker`
+        (default: the bundle's) over `features`."""
         super().__init__(bundle, encoder)
-        self.scored = ScoredCandidates(bundle, ranker, features)
+        self.scored = scored or ScoredCandidates(bundle, ranker, features)
         self.ranker, self.features = self.scored.ranker, self.scored.features
 
     def describe(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from service.backends.protocol import FanoutBackend
 from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE
 from service.fanout.format import MAX_NEW_TOKENS, item_names
+from service.ranker.ranker import ScoredCandidates
 from service.routes.autoregressive import AutoregressiveRoute
 from service.routes.diffusion import DiffusionRoute, Sampler
 from service.routes.hybrid import HybridRoute
@@ -141,6 +142,28 @@ def llm_route(settings: Settings, bundle: Bundle, encoder: Encoder,
                               settings.fanout_cache_size)
 
 
+class BundleRanker:
+    """The bundle's ranker and its mention features, loaded on first use and then handed to
+    every route that reads them (ranked, a student's context): once per bundle."""
+
+    def __init__(self, bundle: Bundle) -> None:
+        self.bundle = bundle
+        self._scored: ScoredCandidates | None = None
+
+    def __call__(self) -> ScoredCandidates:
+        """The ranker (BundleError without its stage, ImportError without LightGBM)."""
+        if self._scored is None:
+            self._scored = ScoredCandidates(self.bundle)
+        return self._scored
+
+    def if_present(self) -> ScoredCandidates | None:
+        """The ranker, or None when the bundle has no ranker stage or its runtime is absent."""
+        try:
+            return self()
+        except (BundleError, ImportError):
+            return None
+
+
 def load_routes(
     settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders
 ) -> tuple[dict[str, RetrievalRoute], dict[str, str]]:
@@ -150,6 +173,7 @@ def load_routes(
     a corrupt graph) refuses the whole bundle, so a reload never swaps it in quietly."""
     paths: dict[str, RetrievalRoute] = {"single": SingleRoute(bundle, encoder)}
     problems: dict[str, str] = {}
+    ranker = BundleRanker(bundle)
 
     def diffusion() -> RetrievalRoute:
         if not bundle.has(SAMPLER_FILE):
@@ -158,10 +182,10 @@ def load_routes(
                                   settings.threads)
         if settings.fault_diffusion_rate > 0:
             sampler = FaultySampler(sampler, settings.fault_diffusion_rate, settings.seed)
-        return DiffusionRoute(bundle, encoder, sampler, settings.seed)
+        return DiffusionRoute(bundle, encoder, sampler, settings.seed, ranker.if_present())
 
     builders: dict[str, Callable[[], RetrievalRoute]] = {
-        "diffusion": diffusion, "ranked": lambda: RankedRoute(bundle, encoder),
+        "diffusion": diffusion, "ranked": lambda: RankedRoute(bundle, encoder, scored=ranker()),
         "hybrid": lambda: HybridRoute(bundle, encoder),
         "ar": lambda: ar_route(settings, bundle, encoder, loaders)}
     for route, build in builders.items():

@@ -12,7 +12,7 @@ import numpy as np
 from service.artifacts.bundle import Bundle
 from service.artifacts.parts import context_features
 from service.errors import BundleError
-from service.fanout.ranker import Ranker, RankerConfig
+from service.ranker.ranker import Ranker, RankerConfig
 from service.runtime.index import neighbour_rows
 from training.evaluation.baselines import Method, MethodOutput, fanout_output
 

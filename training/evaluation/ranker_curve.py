@@ -16,14 +16,14 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
 from service.errors import InputError
-from service.fanout.booster import LightGBMBooster
-from service.fanout.mentions import CandidateSizes, MentionFeatures
-from service.fanout.ranker import Ranker
+from service.ranker.booster import LightGBMBooster
+from service.ranker.mentions import CandidateSizes, MentionFeatures
+from service.ranker.ranker import Ranker
 from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
 from training.data.metrics import best_coverage, group_hit_rate, precision
 from training.data.splits import held_out_items, load_split
-from training.stage1_fanout.ranker import (
+from training.ranker.lambdarank import (
     TRAIN_SETS,
     K,
     RankerTrainConfig,

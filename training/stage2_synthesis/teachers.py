@@ -23,8 +23,8 @@ from tqdm import tqdm
 from service.artifacts.bundle import git_commit, load_bundle
 from service.errors import InputError
 from service.fanout.format import item_names
-from service.fanout.mention_context import MentionedNeighbourhood
-from service.fanout.ranker import ScoredCandidates
+from service.ranker.mention_context import MentionedNeighbourhood
+from service.ranker.ranker import ScoredCandidates
 from service.runtime.encoder import Encoder
 from service.runtime.index import neighbour_rows
 from training.data.splits import disjoint_train, query_texts, training_queries

@@ -15,8 +15,8 @@ from service.artifacts.parts import ItemParts, context_features
 from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
-from service.fanout.mention_context import MentionedNeighbourhood, encode_mentions
-from service.fanout.ranker import RankedNeighbourhood, ScoredCandidates
+from service.ranker.mention_context import MentionedNeighbourhood, encode_mentions
+from service.ranker.ranker import RankedNeighbourhood, ScoredCandidates
 from service.routes.diffusion import ContextLookup
 from service.runtime.index import neighbour_rows
 
@@ -127,10 +127,11 @@ def bundle_context(bundle_dir: Path, data: BlockDataset, model: DenoiserConfig,
         return None
     bundle = load_bundle(bundle_dir)
     prompt: ContextLookup | None = None
-    scored = ScoredCandidates(bundle) if model.mentions else None
-    if model.context_source == "ranked":
+    scored = ScoredCandidates(bundle) if model.mentions or model.context_source == "ranked" \
+        else None
+    if model.context_source == "ranked" and scored is not None:
         check_context_size(dataset_dir, n, "ranked")
-        prompt = RankedNeighbourhood(bundle, n)
+        prompt = RankedNeighbourhood(scored, n)
     elif model.reads_items:  # the query's n nearest (or mentions), each scored by the ranker
         among = check_context_size(dataset_dir, n, model.context_source).get("among", model.among)
         if among != model.among:

@@ -25,7 +25,7 @@ hidden rows against keys of the
 items (CDCD's score interpolation, Dieleman et al. 2022), trained by cross-entropy on which item
 each row is: among a query's nearest items, which differ little in embedding, a vector output
 lands between them. With mention features (`mentions`: where the query's words sit in each
-item's text, service.fanout.mention_context) the item MLP is two layers deep and adds a score
+item's text, service.ranker.mention_context) the item MLP is two layers deep and adds a score
 per item to every row's logits, trained toward the ranker's scores of the same items (soft
 targets), so the rows choose among items the student has already ranked.
 
@@ -45,7 +45,7 @@ from torch import nn
 from service.errors import BundleError, InputError
 from service.fanout.candidates import CANDIDATE_SOURCES, UNRECORDED_SOURCE
 from service.fanout.format import PROMPT_RECIPE
-from service.fanout.mention_context import MENTION_WIDTH
+from service.ranker.mention_context import MENTION_WIDTH
 from service.routes.diffusion import CONTEXT_SOURCES
 from training.stage2_synthesis.teachers import RANKED_CONTEXT
 
@@ -72,7 +72,7 @@ class DenoiserConfig:
     ordered: bool = False  # rows carry learnt positions (TrainConfig.target_order says which)
     # which C items: "nearest", the query's C nearest; "prompt", the C items the teacher's
     # prompt names (service.fanout.grounding.PromptNeighbourhood); "ranked", the ranker's best C
-    # (service.fanout.ranker.RankedNeighbourhood), for a student distilled from the ranker;
+    # (service.ranker.ranker.RankedNeighbourhood), for a student distilled from the ranker;
     # "mentioned", the query's nearest mentions, then its nearest (MentionedNeighbourhood)
     context_source: str = "nearest"
     # where the prompt's names come from (service.fanout.candidates), as the teacher's were
@@ -80,7 +80,7 @@ class DenoiserConfig:
     # the item parts (service.artifacts.parts) whose cosine to the query each context item also
     # carries: (B, C, d + P) context, read through an MLP; () = embeddings alone
     parts: tuple[str, ...] = ()
-    # each context item's mention features (service.fanout.mention_context) after the above
+    # each context item's mention features (service.ranker.mention_context) after the above
     mentions: bool = False
 
     def __post_init__(self) -> None:
@@ -160,7 +160,7 @@ PRESETS: dict[str, DenoiserConfig] = {
                           candidates=PROMPT_RECIPE.candidates),
     "tiny": DenoiserConfig(hidden=32, mlp=64, layers=2, heads=2, fourier=16),
     # no teacher at serve time: the query's nearest mentions, then its nearest items, each
-    # read with its mention features (service.fanout.mention_context: where the query's words
+    # read with its mention features (service.ranker.mention_context: where the query's words
     # sit in its text), chosen among by the ranker offline; it measured above the 128 nearest
     # alone, and above their parts' cosines
     "standalone": DenoiserConfig(hidden=128, mlp=512, layers=2, heads=4,

@@ -352,7 +352,7 @@ def write_sampler(model: Denoiser, config: ExportConfig, out_dir: Path,
 def mention_words(bundle_dir: Path) -> dict[str, Any]:
     """The words either side of a mention the student's encoding told apart: the bundle's
     ranker's, which scored its training context (training.stage3_diffusion.context)."""
-    from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RankerConfig
+    from service.ranker.ranker import RANKER_CONFIG, RANKER_DIR, RankerConfig
 
     path = Path(bundle_dir) / RANKER_DIR / RANKER_CONFIG
     words = RankerConfig.from_dict(json.loads(path.read_text())).words

@@ -92,7 +92,7 @@ def test_an_encoder_folder_the_manifest_does_not_list_is_refused(small_bundle_di
 
 @pytest.mark.parametrize("model", ["/etc/hostname", "../manifest.json", "unlisted.txt"])
 def test_a_ranker_model_outside_the_manifest_is_refused(small_bundle_dir, tmp_path, model):
-    from service.fanout.ranker import RANKER_CONFIG, Ranker, RankerConfig
+    from service.ranker.ranker import RANKER_CONFIG, Ranker, RankerConfig
 
     copy = tmp_path / "b"
     shutil.copytree(small_bundle_dir, copy)

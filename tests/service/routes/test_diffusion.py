@@ -1,5 +1,5 @@
 """The diffusion route stands alone: its context is the query's nearest items and their mention
-features (service.fanout.mention_context), so it serves from a bundle without the ranker's
+features (service.ranker.mention_context), so it serves from a bundle without the ranker's
 files."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from service.artifacts.bundle import read_manifest, write_manifest
-from service.fanout.ranker import RANKER_DIR
+from service.ranker.ranker import RANKER_DIR
 from tests.service.conftest import live_server
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 from service.artifacts.bundle import load_bundle
-from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL
+from service.ranker.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL
 from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
 from training.data.splits import load_split
 from training.evaluation.ranker_curve import run_ranker_curve
-from training.stage1_fanout.ranker import coverage
+from training.ranker.lambdarank import coverage
 
 
 def test_the_full_share_is_the_ranker_stage_and_the_oracles_stand_beside_it(small_bundle_dir):

@@ -120,7 +120,7 @@ def test_the_label_reward_is_the_share_of_a_labeled_train_querys_groups_reached(
 
 
 def test_the_label_reward_without_labeled_train_queries_is_a_clear_error(tmp_path: Path) -> None:
-    from tests.training.stage1_fanout.test_ranker import write_split
+    from tests.training.ranker.test_lambdarank import write_split
     from training.data.splits import BenchmarkQuery
     from training.stage1_fanout.grpo import training_queries_of
 

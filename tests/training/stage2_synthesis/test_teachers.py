@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
-from service.fanout.ranker import RankedNeighbourhood, ScoredCandidates
+from service.ranker.ranker import RankedNeighbourhood, ScoredCandidates
 from service.routes.diffusion import DiffusionContext
 from service.runtime.encoder import Encoder
 from training.data.splits import disjoint_train

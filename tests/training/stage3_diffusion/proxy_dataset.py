@@ -55,7 +55,7 @@ def synthetic_neighbourhood(data: ProxyDataset, n: int, parts: tuple[str, ...] =
     `parts`, random unit part vectors for each item; with `mentions`, random mention columns
     and teacher scores)."""
     from service.artifacts.parts import ItemParts
-    from service.fanout.mention_context import MENTION_WIDTH
+    from service.ranker.mention_context import MENTION_WIDTH
     from service.runtime.index import build_index
     from training.stage3_diffusion.context import Neighbourhood, block_neighbourhood
 

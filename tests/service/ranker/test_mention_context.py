@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
-from service.fanout.mention_context import (
+from service.ranker.mention_context import (
     MENTION_WIDTH,
     NUMERIC,
     WORDS,
@@ -16,7 +16,7 @@ from service.fanout.mention_context import (
     encode_mentions,
     leading_mentions,
 )
-from service.fanout.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
+from service.ranker.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
 from service.runtime.encoder import Encoder
 from service.runtime.index import neighbour_rows
 

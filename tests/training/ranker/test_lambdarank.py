@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 from service.artifacts.bundle import load_bundle, read_manifest
-from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranker
+from service.ranker.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranker
 from service.routes.answer import RouteQuery
 from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
 from training.data.splits import BENCHMARK_DIR, BenchmarkQuery, disjoint_train, masked_train
-from training.stage1_fanout.ranker import RankerTrainConfig, ranker_stage_config
+from training.ranker.lambdarank import RankerTrainConfig, ranker_stage_config
 
 
 def write_split(bundle: Path, split: str, queries: list[BenchmarkQuery]) -> None:

@@ -1,5 +1,5 @@
 """Each catalog item's words as the lexical index's tokens, compiled once per catalog: the item
-side of the ranker's mention features (service.fanout.mentions), so a batch's candidates are
+side of the ranker's mention features (service.ranker.mentions), so a batch's candidates are
 read in a few numpy operations instead of a Python loop over their rows and a tokenizer call
 for every item never seen before.
 """

@@ -21,7 +21,7 @@ from cachetools import LRUCache
 from service.artifacts.bundle import Bundle
 from service.artifacts.lexical import MAX_QUERY_WORDS, WORD, LexicalIndex
 from service.fanout.candidates import Candidates
-from service.fanout.words import ItemWords
+from service.ranker.words import ItemWords
 
 FEATURES = (
     "similarity",  # cos(query, item)

@@ -1,6 +1,6 @@
 """The `ranker` stage: a teacher that learns the catalog from labeled queries.
 
-LightGBM's lambdarank over each train query's candidates (service.fanout.mentions), an item
+LightGBM's lambdarank over each train query's candidates (service.ranker.mentions), an item
 labeled 1 when it sits in one of the query's groups; no val or test item is ever a training row
 (`train`: every train query with those items masked out, training.data.splits.masked_train, or
 only the queries that share none, disjoint_train). The set objective's one
@@ -30,15 +30,15 @@ from service.artifacts.bundle import (
     stage,
 )
 from service.errors import InputError
-from service.fanout.booster import LightGBMBooster
-from service.fanout.mentions import (
+from service.ranker.booster import LightGBMBooster
+from service.ranker.mentions import (
     CATEGORICAL,
     FEATURES,
     CandidateSizes,
     MentionFeatures,
     MentionWords,
 )
-from service.fanout.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranker, RankerConfig
+from service.ranker.ranker import RANKER_CONFIG, RANKER_DIR, RANKER_MODEL, Ranker, RankerConfig
 from service.routes.ranked import RankedRoute
 from service.runtime.encoder import Encoder
 from training.data.metrics import group_hit_rate

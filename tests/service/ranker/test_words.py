@@ -12,7 +12,7 @@ import pytest
 from service.artifacts.bundle import load_bundle
 from service.artifacts.lexical import MAX_QUERY_WORDS
 from service.fanout.format import item_name
-from service.fanout.mentions import (
+from service.ranker.mentions import (
     ABSENT_RANK,
     EARLY,
     END,
@@ -23,8 +23,8 @@ from service.fanout.mentions import (
     MentionWords,
     index_tokens,
 )
-from service.fanout.ranker import ScoredCandidates
-from service.fanout.words import ItemWords, Ragged
+from service.ranker.ranker import ScoredCandidates
+from service.ranker.words import ItemWords, Ragged
 from service.runtime.encoder import Encoder
 from training.data.splits import query_texts
 

@@ -1,9 +1,9 @@
-"""The `ranked` route's chooser: score each candidate (service.fanout.mentions), then pick k
+"""The `ranked` route's chooser: score each candidate (service.ranker.mentions), then pick k
 greedily, each score lowered by `redundancy` times its highest cosine to an earlier pick: a
 set spread over a query's branches, not its best ten.
 
 The scorer is the `ranker` stage's LightGBM lambdarank model (compiled for serving by
-service.fanout.booster), or, without labels, the label-free mention order.
+service.ranker.booster), or, without labels, the label-free mention order.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 
 from service.artifacts.bundle import Bundle, listed_file
 from service.errors import BundleError
-from service.fanout.booster import Booster, load_booster
-from service.fanout.mentions import FEATURES, CandidateSizes, MentionFeatures, MentionWords
+from service.ranker.booster import Booster, load_booster
+from service.ranker.mentions import FEATURES, CandidateSizes, MentionFeatures, MentionWords
 
 RANKER_DIR = "ranker"
 RANKER_CONFIG = "ranker.json"
@@ -135,7 +135,7 @@ def contenders(scores: np.ndarray, k: int, weight: float) -> np.ndarray:
 
 
 class ScoredCandidates:
-    """Each query's candidates (service.fanout.mentions) and the bundle's ranker's scores of
+    """Each query's candidates (service.ranker.mentions) and the bundle's ranker's scores of
     them: what the ranked route chooses from, and the context a student distilled from the
     ranker attends to (`best`)."""
 
@@ -177,8 +177,8 @@ class RankedNeighbourhood:
     """The n items a ranker-distilled student attends to: the ranker's best n candidates
     (context_source "ranked"), as `PromptNeighbourhood` gives a policy's prompt names."""
 
-    def __init__(self, bundle: Bundle, n: int) -> None:
-        self.scored, self.n = ScoredCandidates(bundle), int(n)
+    def __init__(self, scored: ScoredCandidates, n: int) -> None:
+        self.scored, self.n = scored, int(n)
 
     def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
         return self.scored.best(texts, queries, self.n)  # (Q, n)

@@ -13,7 +13,7 @@ import pytest
 from service.artifacts.bundle import load_bundle
 from service.artifacts.lexical import MAX_QUERY_WORDS
 from service.errors import BundleError
-from service.fanout.mentions import (
+from service.ranker.mentions import (
     ABSENT_RANK,
     END,
     FEATURES,
@@ -24,7 +24,7 @@ from service.fanout.mentions import (
     MentionFeatures,
     MentionWords,
 )
-from service.fanout.ranker import (
+from service.ranker.ranker import (
     RANKER_CONFIG,
     RANKER_MODEL,
     Ranker,
@@ -175,7 +175,7 @@ def test_the_compiled_ranker_scores_as_lightgbm_does(bundle, tmp_path, monkeypat
     import tempfile
 
     from service.artifacts.bundle import sha256_file
-    from service.fanout.booster import (
+    from service.ranker.booster import (
         CompiledBooster,
         LightGBMBooster,
         load_booster,
@@ -183,8 +183,8 @@ def test_the_compiled_ranker_scores_as_lightgbm_does(bundle, tmp_path, monkeypat
     )
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    from service.fanout.mentions import CATEGORICAL
-    from training.stage1_fanout.ranker import RankerTrainConfig, fit
+    from service.ranker.mentions import CATEGORICAL
+    from training.ranker.lambdarank import RankerTrainConfig, fit
 
     words = MentionWords(("a", "the", NO_MENTION), ("of", END, NO_MENTION))
     features = MentionFeatures(bundle, CandidateSizes(hybrid=20, mentions=200), words)

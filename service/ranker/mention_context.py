@@ -1,6 +1,6 @@
 """What a standalone diffusion student reads of each of its context items besides the item's
-embedding: the ranker's mention features (service.fanout.mentions), computed in numpy from the
-item side compiled once per bundle (service.fanout.words), in a fixed numeric encoding. The
+embedding: the ranker's mention features (service.ranker.mentions), computed in numpy from the
+item side compiled once per bundle (service.ranker.words), in a fixed numeric encoding. The
 ranker's knowledge is where the query's words sit in an item's text; these columns carry it to
 the student, which then needs neither the ranker's model nor its candidate lists to serve."""
 
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.bundle import Bundle
-from service.fanout.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
+from service.ranker.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
 from service.runtime.index import neighbour_rows
 
 WORDS = 30  # words per side told apart (the ranker's default); one more slot for any other
@@ -51,10 +51,13 @@ def encode_mentions(table: np.ndarray, context: int) -> np.ndarray:
 class MentionContext:
     """The mention columns (B, C, MENTION_WIDTH) of each query's context rows (B, C)."""
 
-    def __init__(self, bundle: Bundle, words: MentionWords) -> None:
+    def __init__(self, bundle: Bundle, words: MentionWords,
+                 shared: MentionFeatures | None = None) -> None:
+        """`shared`: the bundle's ranker's features, whose per-item caches these reuse."""
         if len(words.before) > WORDS or len(words.after) > WORDS:
             raise ValueError(f"a student tells apart at most {WORDS} words per side")
-        self.features = MentionFeatures(bundle, words=words)
+        self.features = MentionFeatures(bundle, words=words) if shared is None \
+            else shared.with_words(words)
 
     def __call__(self, texts: Sequence[str], queries: np.ndarray, rows: np.ndarray
                  ) -> np.ndarray:
