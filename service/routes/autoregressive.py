@@ -21,10 +21,11 @@ from service.fanout.format import Generation, PromptBuilder, parse_fanout
 from service.fanout.grounding import NameGrounding
 from service.routes.answer import RouteAnswer, RouteQuery, StageClock, selection_notes, stamp
 from service.routes.resolution import lead_with_nearest, resolve_items
+from service.routes.route import Route
 from service.runtime.encoder import Encoder
 
 
-class AutoregressiveRoute:
+class AutoregressiveRoute(Route):
     """Query → its catalog context → fan-out text → sub-queries → k distinct nearest items."""
 
     name = "ar"
@@ -42,6 +43,9 @@ class AutoregressiveRoute:
     @property
     def providers(self) -> list[str]:
         return list(self.backend.describe().get("providers", [self.backend.name]))
+
+    def close(self) -> None:
+        self.backend.close()
 
     def describe(self) -> dict[str, Any]:
         return {"fanout_k": self.fanout_k, "context": self.prompt_builder.n,

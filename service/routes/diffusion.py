@@ -27,6 +27,7 @@ from service.routes.resolution import (
     resolve_in_context,
     resolve_items,
 )
+from service.routes.route import Route
 from service.runtime.encoder import Encoder, normalize
 from service.runtime.index import neighbour_rows
 from service.runtime.sampler import Draw
@@ -169,7 +170,7 @@ def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | Non
                 None if weights is None else np.take_along_axis(weights, kept, axis=1))
 
 
-class DiffusionRoute:
+class DiffusionRoute(Route):
     """Query embedding → context → generated rows (B, L, d) → k distinct items they claim."""
 
     name = "diffusion"
@@ -195,6 +196,11 @@ class DiffusionRoute:
 
     def describe(self) -> dict[str, Any]:
         return {"providers": self.providers, "config": self.sampler.config}
+
+    def arm(self) -> None:
+        arming = getattr(self.sampler, "arm", None)  # a FaultySampler's (R4T_FAULT_*)
+        if arming is not None:
+            arming()
 
     def __call__(self, batch: Sequence[RouteQuery]) -> list[RouteAnswer]:
         clock = StageClock()

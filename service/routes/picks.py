@@ -12,10 +12,11 @@ import numpy as np
 from service.artifacts.bundle import Bundle
 from service.routes.answer import RouteAnswer, RouteQuery, StageClock, selection_notes, stamp
 from service.routes.resolution import Selection, fill_short, lead_with_nearest, resolve_items
+from service.routes.route import Route
 from service.runtime.encoder import Encoder
 
 
-class PickingRoute:
+class PickingRoute(Route):
     """Query → up to k chosen catalog rows (the subclass's `choose`) → the served answer."""
 
     name = ""

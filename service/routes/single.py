@@ -10,11 +10,12 @@ import numpy as np
 from service.artifacts.bundle import Bundle
 from service.routes.answer import RouteAnswer, RouteQuery, StageClock, stamp
 from service.routes.resolution import Selection
+from service.routes.route import Route
 from service.runtime.encoder import Encoder
 from service.runtime.index import search_each
 
 
-class SingleRoute:
+class SingleRoute(Route):
     """Query embedding → its k nearest items: one dense query, the floor of every route."""
 
     name = "single"

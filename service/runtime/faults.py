@@ -49,6 +49,10 @@ class FaultySampler:
         self.providers: list[str] = sampler.providers
         self.config: dict = sampler.config
 
+    def arm(self) -> None:
+        """Start failing: after warm-up, once the path serves."""
+        self.armed = True
+
     def sample(self, query_emb: np.ndarray, seed: int | None = None,
                noise: np.ndarray | None = None, context: np.ndarray | None = None
                ) -> np.ndarray:

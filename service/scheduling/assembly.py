@@ -24,6 +24,7 @@ from service.routes.autoregressive import AutoregressiveRoute
 from service.routes.diffusion import DiffusionRoute, Sampler
 from service.routes.hybrid import HybridRoute
 from service.routes.ranked import RankedRoute
+from service.routes.route import Route
 from service.routes.single import SingleRoute
 from service.runtime.encoder import Encoder
 from service.runtime.faults import FaultySampler
@@ -31,7 +32,6 @@ from service.settings import Settings
 
 SAMPLER_FILE = "diffusion/sampler.onnx"
 
-RetrievalRoute = DiffusionRoute | AutoregressiveRoute | RankedRoute | HybridRoute | SingleRoute
 ComponentFactory = Callable[[Path, list[str] | None, int], Any]
 # An AR backend, its k, and the number and source of the catalog names its prompts carry.
 BackendChoice = tuple[FanoutBackend, int, int, str]
@@ -166,16 +166,16 @@ class BundleRanker:
 
 def load_routes(
     settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders
-) -> tuple[dict[str, RetrievalRoute], dict[str, str]]:
+) -> tuple[dict[str, Route], dict[str, str]]:
     """Build every path the bundle and settings allow; say why the others are missing. A route
     whose stage the bundle lacks (BundleError) or whose runtime is not installed (ImportError)
     is left out; one whose model is there but does not load (an ONNX Runtime or opset mismatch,
     a corrupt graph) refuses the whole bundle, so a reload never swaps it in quietly."""
-    paths: dict[str, RetrievalRoute] = {"single": SingleRoute(bundle, encoder)}
+    paths: dict[str, Route] = {"single": SingleRoute(bundle, encoder)}
     problems: dict[str, str] = {}
     ranker = BundleRanker(bundle)
 
-    def diffusion() -> RetrievalRoute:
+    def diffusion() -> Route:
         if not bundle.has(SAMPLER_FILE):
             raise BundleError(f"bundle has no {SAMPLER_FILE}")
         sampler = loaders.sampler(bundle.path / "diffusion", settings.provider_list,
@@ -184,7 +184,7 @@ def load_routes(
             sampler = FaultySampler(sampler, settings.fault_diffusion_rate, settings.seed)
         return DiffusionRoute(bundle, encoder, sampler, settings.seed, ranker.if_present())
 
-    builders: dict[str, Callable[[], RetrievalRoute]] = {
+    builders: dict[str, Callable[[], Route]] = {
         "diffusion": diffusion, "ranked": lambda: RankedRoute(bundle, encoder, scored=ranker()),
         "hybrid": lambda: HybridRoute(bundle, encoder),
         "ar": lambda: ar_route(settings, bundle, encoder, loaders)}

@@ -29,13 +29,12 @@ from service.errors import (
 from service.metrics import Metrics
 from service.routes import ROUTE_ORDER
 from service.routes.answer import RouteAnswer, RouteQuery
-from service.routes.autoregressive import AutoregressiveRoute
-from service.routes.diffusion import DiffusionRoute
+from service.routes.route import Route
 from service.runtime.encoder import Encoder
-from service.runtime.faults import FaultySampler, Stall
+from service.runtime.faults import Stall
 from service.runtime.filters import metadata_fields, where_of
 from service.runtime.index import IndexChoice, set_threads
-from service.scheduling.assembly import Loaders, RetrievalRoute, load_routes
+from service.scheduling.assembly import Loaders, load_routes
 from service.scheduling.batching import CLOSE_GRACE_S, Batcher, Completed, describe
 from service.scheduling.routing import Assignment, Router
 from service.scheduling.trigger import Decision, FanoutMode, FanoutTrigger
@@ -77,7 +76,7 @@ class Retriever:
 
     def __init__(
         self, settings: Settings, metrics: Metrics, bundle: Bundle,
-        paths: dict[str, RetrievalRoute], problems: dict[str, str],
+        paths: dict[str, Route], problems: dict[str, str],
     ) -> None:
         self.settings, self.metrics, self.bundle = settings, metrics, bundle
         self.paths, self.problems = paths, problems
@@ -125,14 +124,14 @@ class Retriever:
             batcher.start()
             self.batchers[name] = batcher
 
-    def _timed(self, path: RetrievalRoute) -> Callable[[Sequence[RouteQuery]], list[RouteAnswer]]:
+    def _timed(self, path: Route) -> Callable[[Sequence[RouteQuery]], list[RouteAnswer]]:
         def compute(batch: Sequence[RouteQuery]) -> list[RouteAnswer]:
             set_threads(self.settings.faiss_threads)  # OpenMP's cap is per thread: this one's
             self.stall()  # R4T_FAULT_STALL_RATE (chaos tests); nothing by default
             answers = path(batch)
             if answers:
                 self.metrics.observe_stages(path.name, answers[0].timings_s)
-            if isinstance(path, AutoregressiveRoute) and path.cache.size:
+            if path.cache is not None and path.cache.size:
                 for answer in answers:
                     self.metrics.fanout_cache.labels(
                         result="hit" if answer.cached else "miss").inc()
@@ -168,18 +167,15 @@ class Retriever:
                 log.error("disabling the %s path: %s", name, reason)
                 self.problems[name] = reason
                 await self.batchers.pop(name).close()
-                dropped = self.paths.pop(name)
-                if isinstance(dropped, AutoregressiveRoute):
-                    await asyncio.to_thread(dropped.backend.close)
+                await asyncio.to_thread(self.paths.pop(name).close)
         if not self.paths:
             raise BundleError(f"no retrieval path survived warm-up: {self.problems}")
         await self._replay(list(dict.fromkeys(traffic)))
         self.router = Router(self.weights, set(self.paths), self.settings.seed)
         self.warm = True
-        diffusion = self.paths.get("diffusion")
         self.stall.armed = True
-        if isinstance(diffusion, DiffusionRoute) and isinstance(diffusion.sampler, FaultySampler):
-            diffusion.sampler.armed = True  # faults start once the path is serving
+        for path in self.paths.values():
+            path.arm()  # faults start once the path is serving
 
     async def _replay(self, texts: list[str]) -> None:
         """Each path answers `texts` (batched as traffic would be); a request-specific error
@@ -201,17 +197,16 @@ class Retriever:
 
     async def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
         """Close the batchers together (queued work gets `grace_s` in all, not per route),
-        then the AR backend in a thread (llama.cpp's close waits for the decode in progress);
-        the batchers are dropped, since their compute functions hold this retriever: a cycle
-        that would keep the retired bundle until a full collection. Closing twice is a no-op."""
+        then each route in a thread (llama.cpp's close waits for the decode in progress); the
+        batchers are dropped, since their compute functions hold this retriever: a cycle that
+        would keep the retired bundle until a full collection. Closing twice is a no-op."""
         if self.closed:
             return
         self.closed = True
         closing, self.batchers = list(self.batchers.values()), {}
         await asyncio.gather(*(batcher.close(grace_s) for batcher in closing))
-        ar = self.paths.get("ar")
-        if isinstance(ar, AutoregressiveRoute):
-            await asyncio.to_thread(ar.backend.close)
+        for path in self.paths.values():
+            await asyncio.to_thread(path.close)
 
     @property
     def providers(self) -> dict[str, list[str]]:
