@@ -1,9 +1,10 @@
-"""The served state: one loaded bundle with its paths, batchers and router, swapped whole on
-reload (its paths built by service/scheduling/assembly.py).
+"""A loaded bundle ready to serve: its paths (built by service/scheduling/assembly.py),
+batchers and router, swapped whole on reload by the served state (service/api/state.py).
 
 A request goes to its A/B arm (route=auto sends a narrow query to `single`: trigger.py); a
-failing or ungrounded diffusion answer falls back to ar (else `single`), any other failing route
-to `single`, each counted by reason; a route too busy to answer in time refuses (429).
+failing or ungrounded diffusion answer falls back along its chain (FALLBACKS: ar, else
+`single`), any other failing route to `single`, each counted by reason; a route too busy to
+answer in time refuses (429).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from service.errors import (
     UnavailableError,
 )
 from service.metrics import Metrics
-from service.routes import ROUTE_ORDER
+from service.routes import FALLBACKS, LAST_ROUTE, ROUTE_ORDER
 from service.routes.answer import RouteAnswer, RouteQuery
 from service.routes.route import Route
 from service.runtime.encoder import Encoder
@@ -254,7 +255,7 @@ class Retriever:
                 if reason is not None:
                     self.metrics.fallbacks.labels(reason=reason).inc()
                     timings["diffusion_attempt"] = time.monotonic() - started
-                    route = "ar" if "ar" in self.batchers else "single"
+                    route = self._fallback("diffusion")
             if completed is None:
                 completed, route, reason = await self._submit_or_single(
                     route, query, deadline, reason, forced=request.route == route)
@@ -270,6 +271,10 @@ class Retriever:
         timings["total"] = time.monotonic() - started
         self.recent.append(request.query)  # an answered query: a reload replays it
         return Served(answer, route, assignment.arm, reason, decision, timings)
+
+    def _fallback(self, route: str) -> str:
+        """The first route of `route`'s fallback chain this bundle serves."""
+        return next((r for r in FALLBACKS[route] if r in self.batchers), LAST_ROUTE)
 
     async def _decide(self, request: Retrieval, assignment: Assignment) -> Decision | None:
         """route=auto: fan out, or answer with `single`? None when the request forced a route.
@@ -310,19 +315,19 @@ class Retriever:
         except (DeadlineError, IndexUnavailableError):
             raise  # single would not do better
         except OverloadError:
-            if not fallback or "single" not in self.batchers:
+            if not fallback or LAST_ROUTE not in self.batchers:
                 raise  # a busy arm refuses fast; a fallback finds AR busy: single answers
             log.info("the %s route is busy after a diffusion fallback (%s); answering with "
                      "single", route, fallback)
         except Exception:
-            if route == "single" or "single" not in self.batchers or (forced and not fallback):
+            if route == LAST_ROUTE or LAST_ROUTE not in self.batchers or (forced and not fallback):
                 raise
             log.warning("the %s route failed (after a diffusion fallback: %s); answering with "
                         "single", route, fallback, exc_info=True)
         if fallback is None:
             fallback = "error"
             self.metrics.fallbacks.labels(reason=fallback).inc()
-        return await self._submit("single", query, deadline, fallback), "single", fallback
+        return await self._submit(LAST_ROUTE, query, deadline, fallback), LAST_ROUTE, fallback
 
     async def _try_diffusion(
         self, query: RouteQuery, deadline: float
