@@ -10,8 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from service.arguments import positive
-from service.routes.diffusion import CONTEXT_SOURCES, SOLVER_NAMES
+from service.routes.diffusion import CONTEXT_SOURCES
 from training.device import DEVICES
+
+# the ODE solvers a sampler is exported with (`solver` in diffusion.json; Euler the paper's)
+SOLVER_NAMES = ("euler", "heun")
 
 
 def subcommand_group(

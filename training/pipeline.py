@@ -1,6 +1,6 @@
 """Builds a bundle stage by stage, rebuilding only the stages that are not current.
 
-Stages, in order (`service.artifacts.bundle.STAGE_INPUTS` says which stages each one reads):
+Stages, in order (`service.artifacts.stages` says which stages each one reads):
 `catalog`
 (parse → embed → FAISS index), `benchmark` (broad queries and their splits), stage 1
 `folm-warmstart` and `folm` (the fan-out LM's warm start and its GRPO policy, each exported to
@@ -30,6 +30,7 @@ from service.artifacts.bundle import (
     stage_status,
     write_manifest,
 )
+from service.artifacts.stages import CATALOG_STAGES, LABELED_STAGES, SHIPPED_STAGES
 from service.errors import BundleError
 from service.runtime.encoder import EncoderConfig
 from training.builders import BUILDERS, StageBuild
@@ -45,12 +46,7 @@ from training.evaluation.routes import routes_stage_config
 from training.progress import BuildProgress
 from training.ranker.lambdarank import RankerTrainConfig, ranker_stage_config
 from training.recipe import NEEDS_TORCH, Recipe, init_key, resolve_recipe
-from training.shipped import SHIPPED_STAGES, ShippedStages
-
-CATALOG_STAGES = ("catalog", "lexical", "benchmark")
-LABELED_STAGES = ("benchmark", "ranker", "routes")  # skipped for a catalog without a benchmark
-PIPELINE = (*CATALOG_STAGES, "ranker", "folm-warmstart", "folm", "synthesis", "diffusion",
-            "routes")
+from training.shipped import ShippedStages
 
 
 def stage_keys(catalog: CatalogConfig, configs: Recipe | None = None) -> dict[str, dict]:

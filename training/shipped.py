@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from service.artifacts.bundle import (
-    STAGE_INPUTS,
     config_hash,
     git_commit,
     now_iso,
@@ -31,12 +30,11 @@ from service.artifacts.bundle import (
     stage_inputs,
     write_json_atomic,
 )
+from service.artifacts.stages import SHIPPED_STAGES, inputs_of
 from service.errors import BundleError
 
 SHIPPED_ROOT = Path(__file__).resolve().parents[1] / "models" / "shipped"
 SHIPPED_FILE = "shipped.json"
-# the stages shipped, in build order (synthesis is a record: its dataset is not shipped)
-SHIPPED_STAGES = ("folm-warmstart", "folm", "synthesis", "diffusion")
 SHIPPED_PRESET = "cpu"  # the default bundle's recipe
 SHIPPED_NAME = "default"
 
@@ -83,7 +81,7 @@ class ShippedStages:
         if shipped["config_hash"] != config_hash(key):
             return "the shipped copy was built with another config"
         now = stage_inputs(manifest, name)
-        differ = [dep for dep in STAGE_INPUTS.get(name, ())
+        differ = [dep for dep in inputs_of(name)
                   if shipped["inputs"].get(dep) != now.get(dep)]
         if differ:
             return f"the shipped copy was built on another {', '.join(differ)}"

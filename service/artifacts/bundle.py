@@ -2,7 +2,7 @@
 
 A stage's files are moved in and the manifest replaced atomically last, so a bundle on disk is
 consistent or refused with a reason. A stage is current while its config is today's and each
-input (STAGE_INPUTS) is the record it was built from (`stage_status`); a build keeps
+input (service.artifacts.stages) is the record it was built from (`stage_status`); a build keeps
 `build.json` up to date for service/artifacts/progress.py.
 """
 
@@ -25,6 +25,7 @@ from typing import Any
 from service.artifacts.items import ItemStore
 from service.artifacts.lexical import LEXICAL_FILE, LexicalIndex
 from service.artifacts.parts import PARTS_FILE, ItemParts
+from service.artifacts.stages import STAGE, inputs_of
 from service.errors import BundleAbsentError, BundleError
 from service.runtime.encoder import EncoderConfig
 from service.runtime.index import FaissIndex, IndexChoice, VectorIndex, chosen_index, load_index
@@ -37,34 +38,7 @@ REPORTS_DIR = "eval"  # evaluation reports: written after the fact, not checksum
 # A stage record's field naming what its files are a function of, where those files are not
 # byte-stable across machines (stage_hash)
 CONTENT_KEY = "content"
-ROUTES_FILE = "routes.json"  # the `routes` stage's choice: {"weights": R4T_ROUTES's form, ...}
 
-# The stages each stage reads. Stage 1 is `folm-warmstart` then `folm` (its GRPO policy),
-# stage 2 `synthesis` (a run folder, no bundle files), stage 3 `diffusion`.
-STAGE_INPUTS: dict[str, tuple[str, ...]] = {
-    "catalog": (),
-    "lexical": ("catalog",),
-    "benchmark": ("catalog",),
-    "ranker": ("catalog", "lexical", "benchmark"),  # trained on the labeled train queries
-    # stages 1-3 read the lexical index through their prompts' candidates
-    "folm-warmstart": ("catalog", "lexical", "benchmark"),
-    "folm": ("catalog", "lexical", "benchmark", "folm-warmstart"),
-    "llm": (),  # a pretrained GGUF policy (r4t llm): it reads no stage
-    "synthesis": ("catalog", "lexical", "benchmark", "ranker", "folm"),  # either teacher
-    "diffusion": ("catalog", "lexical", "synthesis"),
-    # the default A/B weights, measured on val over the routes the bundle serves (ROUTES_FILE)
-    "routes": ("catalog", "lexical", "benchmark", "ranker", "folm", "diffusion"),
-    # the catalog loaded into an external engine (`r4t index`): no files, a collection
-    MILVUS_STAGE: ("catalog",),
-}
-# The command that builds each stage into a bundle (`{bundle}`: its folder)
-STAGE_COMMANDS: dict[str, str] = {
-    **dict.fromkeys(("catalog", "lexical", "benchmark", "ranker"),
-                    "r4t --bundle {bundle} catalog"),
-    **dict.fromkeys(("folm-warmstart", "folm", "synthesis", "diffusion", "routes"),
-                    "r4t --bundle {bundle} bundle"),
-    "llm": "r4t --bundle {bundle} llm SOURCE",
-}
 # An engine call's bound for offline callers (eval, bench), whose pools and batches are large;
 # the service passes its serving deadline (R4T_INDEX_TIMEOUT_S).
 ENGINE_TIMEOUT_S = 300.0
@@ -269,21 +243,9 @@ def stage_hash(manifest: dict[str, Any], name: str) -> str | None:
     })
 
 
-def recorded_routes(bundle_dir: Path) -> str | None:
-    """The A/B weights the bundle's `routes` stage chose on its val split, if it has one."""
-    path = Path(bundle_dir) / ROUTES_FILE
-    if not path.is_file():
-        return None
-    try:
-        return str(json.loads(path.read_text())["weights"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise BundleError(f"{path}: no readable weights ({type(exc).__name__}: {exc}); "
-                          "rebuild it with `r4t bundle`") from exc
-
-
 def stage_inputs(manifest: dict[str, Any], name: str) -> dict[str, str]:
-    """{input stage: its stage_hash} of the inputs (STAGE_INPUTS) the manifest holds now."""
-    hashes = {dep: stage_hash(manifest, dep) for dep in STAGE_INPUTS.get(name, ())}
+    """{input stage: its stage_hash} of the inputs (`inputs_of`) the manifest holds now."""
+    hashes = {dep: stage_hash(manifest, dep) for dep in inputs_of(name)}
     return {dep: h for dep, h in hashes.items() if h is not None}
 
 
@@ -304,7 +266,7 @@ def stage_status(
     if recorded is None:
         return "rebuild", "its inputs were not recorded"
     now = stage_inputs(manifest, name)
-    changed = [dep for dep in STAGE_INPUTS.get(name, ())
+    changed = [dep for dep in inputs_of(name)
                if dep in set(changing) or recorded.get(dep) != now.get(dep)]
     if changed:
         return "rebuild", f"{', '.join(changed)} changed"
@@ -324,7 +286,7 @@ def require_stages(bundle_dir: Path, needed: Iterable[str | tuple[str, ...]], wh
     for need in needed:
         options = (need,) if isinstance(need, str) else need
         if not any(name in stages for name in options):
-            command = STAGE_COMMANDS[options[0]].format(bundle=bundle_dir)
+            command = STAGE[options[0]].command.format(bundle=bundle_dir)
             raise BundleError(f"{what} needs the `{' or '.join(options)}` stage, which "
                               f"{bundle_dir} lacks: build it with `{command}`")
     return manifest

@@ -47,8 +47,6 @@ class Sampler(Protocol):
 CONTEXT_SOURCES = ("nearest", "prompt", "ranked", "mentioned")
 # what looks a context up by the query's text (all but "nearest", one ANN search)
 ContextLookup = PromptNeighbourhood | RankedNeighbourhood | MentionedNeighbourhood
-# the ODE solvers a sampler is exported with (`solver` in diffusion.json; Euler the paper's)
-SOLVER_NAMES = ("euler", "heun")
 
 
 class DiffusionContext:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.artifacts.bundle import Bundle, load_bundle, recorded_routes
+from service.artifacts.bundle import Bundle, load_bundle
+from service.artifacts.stages import recorded_routes
 from service.errors import (
     BundleError,
     DeadlineError,

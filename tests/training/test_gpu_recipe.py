@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from service.artifacts.bundle import read_manifest, verify_bundle
+from service.artifacts.stages import PIPELINE
 from service.command import main
 from tests.service.conftest import live_server, make_settings
 from tests.training.stage1_fanout.test_policy import write_tiny_sources
 from training.pipeline import (
-    PIPELINE,
     CatalogConfig,
     build_bundle,
     plan_stages,

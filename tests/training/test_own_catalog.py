@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.artifacts.bundle import ROUTES_FILE, read_manifest
+from service.artifacts.bundle import read_manifest
+from service.artifacts.stages import ROUTES_FILE
 from service.command import main
 from service.loopback import free_port, wait_ready
 from tests.training.stage1_fanout.test_policy import write_tiny_sources

@@ -25,10 +25,11 @@ from service.artifacts.bundle import (
     write_manifest,
 )
 from service.artifacts.progress import BUILD_STATUS, read_build_status
+from service.artifacts.stages import PIPELINE, SHIPPED_STAGES
 from service.errors import BundleError
 from service.runtime.encoder import EncoderConfig
 from tests.training.stage1_fanout.test_policy import make_tiny_bundle
-from training.pipeline import PIPELINE, CatalogConfig, build_bundle
+from training.pipeline import CatalogConfig, build_bundle
 from training.recipe import Recipe
 
 MODEL_STAGES = ("folm-warmstart", "folm", "synthesis", "diffusion")
@@ -253,7 +254,7 @@ def test_shipped_stages_are_adopted_on_matching_inputs_and_rebuilt_on_a_changed_
     """A copy of shipped stages 1-3 stands in for training in a bundle built from scratch
     with the same catalog and recipe; a changed item text makes them train, saying why."""
     from training.pipeline import stage_keys
-    from training.shipped import SHIPPED_STAGES, ShippedStages, ship
+    from training.shipped import ShippedStages, ship
 
     bundle, config, first, _ = built
     tiny = Recipe.for_preset("tiny")
@@ -307,7 +308,7 @@ def test_without_torch_a_build_adopts_shipped_stages_by_their_recorded_recipe(
     shipped folder by the keys recorded there, and with no shipped folder the build stops after
     the catalog stages, naming what installs torch."""
     from training.pipeline import stage_keys
-    from training.shipped import SHIPPED_STAGES, ShippedStages, ship
+    from training.shipped import ShippedStages, ship
 
     bundle, config, _, _ = built
     out = ship(bundle, stage_keys(config, Recipe.for_preset("tiny")), {}, tmp_path / "shipped")

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from service.artifacts.bundle import config_hash, sha256_file, verify_bundle
+from service.artifacts.stages import SHIPPED_STAGES
 from training import builders
 from training.evaluation.regression import CHECKED, MARGIN, METRICS, below_hybrid, regressions
 from training.pipeline import CatalogConfig, build_bundle, stage_keys
 from training.recipe import Recipe
-from training.shipped import SHIPPED_PRESET, SHIPPED_STAGES, ShippedStages
+from training.shipped import SHIPPED_PRESET, ShippedStages
 
 SHIPPED = ShippedStages.for_preset(SHIPPED_PRESET)
 MAX_BYTES = 25 * 2**20  # the repository cost the shipped stages may have

@@ -34,7 +34,8 @@ def composed_sampler_dir(diffusion_dir: Path, solver: str, steps: int, form: str
     """A temporary folder holding a sampler with another schedule, composed from step.onnx."""
     import onnx  # the train extra's
 
-    from training.stage3_diffusion.export import compose_sampler, sampler_evaluations_flops
+    from training.stage3_diffusion.export import sampler_evaluations_flops
+    from training.stage3_diffusion.sampler_graph import compose_sampler
 
     config = read_config(diffusion_dir)
     step = onnx.load(str(diffusion_dir / STEP_FILE))

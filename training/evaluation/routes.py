@@ -21,18 +21,16 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.bundle import (
-    ROUTES_FILE,
     config_hash,
     load_bundle,
     read_manifest,
     stage,
 )
+from service.artifacts.stages import ROUTE_STAGES, ROUTES_FILE
 from service.routes import ROUTE_ORDER
 from training.data.metrics import standard_error
 from training.evaluation.harness import evaluate
 
-# fan-out route: the stage it needs (its model's; `hybrid` has none, only the lexical index)
-ROUTE_STAGES = {"diffusion": "diffusion", "ranked": "ranker", "hybrid": "lexical"}
 # served routes the harness runs by the same name, best first
 FANOUT_ROUTES = tuple(r for r in ROUTE_ORDER if r in ROUTE_STAGES)
 AR_POLICIES = ("folm", "folm-warmstart", "llm")

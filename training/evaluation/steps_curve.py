@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
-from service.routes.diffusion import SOLVER_NAMES, DiffusionContext, repeat_draws
+from service.routes.diffusion import DiffusionContext, repeat_draws
 from service.runtime.encoder import Encoder
 from service.runtime.sampler import DiffusionSampler, read_config
+from training.commands import SOLVER_NAMES
 from training.data.splits import load_split
 from training.evaluation.diffusion_method import open_sampler
 from training.evaluation.harness import evaluate

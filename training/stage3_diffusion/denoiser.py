@@ -1,36 +1,16 @@
 """The stage-3 denoiser D(x; σ, q): EDM preconditioning around a conditional transformer over
-a block of L item-embedding rows, with classifier-free guidance.
+a block of L item-embedding rows, with classifier-free guidance; the one module training, the
+samplers and the ONNX export call.
 
-`Denoiser` is the one module that training, the samplers and the ONNX export call. Its network
-is conditioned on the query embedding and the noise level by adaLN-Zero (DiT); the conditioning
-vector is also added to every row token, or the zero-initialised gates learn the query slowly.
-The rows are a set (no positions: the network is permutation-equivariant over them) unless
-`ordered`: then each row carries a learnt position and row i learns one slot of the block, so
-rows stop competing for one item: the i-th chosen item by cosine to the query, the i-th as its
-teacher wrote it, or the i-th in its context's order, so row i copies one of the slots from i
-on (the training config's `target_order`).
-
-With a context (`context` = C > 0) the rows also cross-attend to C catalog items, best first,
-with a learnt rank embedding, so the network need not memorise the catalog's geometry.
-`context_source` says which items: "prompt", those the teacher's prompt names
-(service.fanout.grounding.PromptNeighbourhood), so the student chooses from the set its teacher
-chose
-from; or "nearest", the query's C nearest. CFG's null condition drops the query and the
-cross-attention.
-
-With item features (`parts`, its parts' cosines to the query, or `mentions`, the standalone
-student's) each context item is read by an MLP over its embedding and them, and D is a
-mixture of the context items, softmax(logits)·context, the logits (B, L, C) from the last
-hidden rows against keys of the
-items (CDCD's score interpolation, Dieleman et al. 2022), trained by cross-entropy on which item
-each row is: among a query's nearest items, which differ little in embedding, a vector output
-lands between them. With mention features (`mentions`: where the query's words sit in each
-item's text, service.ranker.mention_context) the item MLP is two layers deep and adds a score
-per item to every row's logits, trained toward the ranker's scores of the same items (soft
-targets), so the rows choose among items the student has already ranked.
-
-Rows vs slots: with L = k row i is slot i; with L > k training fills the extra rows with copies
-of items of the same block, and serving keeps the k rows that resolve most confidently.
+The network is conditioned on the query and the noise level by adaLN-Zero (DiT). Rows are a set
+unless `ordered` (row i then learns one slot of the block). With a context (C > 0) the rows
+cross-attend to C catalog items, best first (`context_source` says which: docs/design.md, "The
+student's context"). With item features (`parts` or `mentions`) an MLP reads each context item
+and D is a mixture of the context items, softmax(logits)·context (CDCD's score interpolation,
+Dieleman et al. 2022), trained by cross-entropy on which item each row is; with `mentions` each
+item also adds a score to every row's logits, trained toward the ranker's scores. With L > k
+training fills the extra rows with copies of the block's items, and serving keeps the k rows
+that resolve most confidently.
 """
 
 from __future__ import annotations

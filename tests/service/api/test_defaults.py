@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from service.artifacts.bundle import Bundle, load_bundle, recorded_routes
+from service.artifacts.bundle import Bundle, load_bundle
+from service.artifacts.stages import recorded_routes
 from service.routes import ROUTE_ORDER
 from service.runtime.index import IndexChoice
 from service.settings import FALLBACK_ROUTES, Settings, parse_weights

@@ -9,7 +9,8 @@ import shutil
 import numpy as np
 import pytest
 
-from service.artifacts.bundle import ROUTES_FILE, read_manifest
+from service.artifacts.bundle import read_manifest
+from service.artifacts.stages import ROUTES_FILE
 from tests.service.conftest import live_server
 from training.evaluation.routes import RoutesConfig, choose, select_routes, weights
 

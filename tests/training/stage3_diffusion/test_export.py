@@ -8,12 +8,8 @@ import torch
 from service.artifacts.bundle import new_manifest, verify_bundle, write_manifest
 from service.runtime.encoder import EncoderConfig
 from tests.training.stage3_diffusion.proxy_dataset import tiny_checkpoint
-from training.stage3_diffusion.export import (
-    ExportConfig,
-    compose_sampler,
-    export_diffusion,
-    export_step,
-)
+from training.stage3_diffusion.export import ExportConfig, export_diffusion, export_step
+from training.stage3_diffusion.sampler_graph import compose_sampler
 from training.stage3_diffusion.solvers import sample
 from training.stage3_diffusion.trainer import load_ema
 
