@@ -131,10 +131,9 @@ def floor_common_tokens(scores: dict, corpus: list[list[int]]) -> None:
 class LexicalIndex:
     """Read-only BM25 search over a bundle's lexical.sqlite, safe to share between threads.
 
-    FTS5 holds the texts and tokenizes; ranking runs in bm25s over the same tokens with
-    FTS5's constants (Robertson idf, k1 = 1.2, b = 0.75, ties by row), so it returns FTS5's own
-    `ORDER BY rank` lists, a few times faster: FTS5's bm25() costs about a microsecond and a
-    half per matching text, which a broad query has thousands of.
+    FTS5 holds the texts and tokenizes; ranking runs in bm25s over the same tokens with FTS5's
+    constants, so it returns FTS5's own `ORDER BY rank` lists faster (FTS5's bm25() is paid
+    per matching text, which a broad query has thousands of).
     """
 
     def __init__(self, path: Path) -> None:

@@ -136,9 +136,8 @@ def name_grammar(logits: np.ndarray, tries: Sequence[NameTrie | None],
                  states: Sequence[RowState], lines: np.ndarray, stop: int) -> np.ndarray:
     """Logits (B, V) with every token that would leave the catalog's names at −inf (a copy).
 
-    A row continues its name, or at a name's end breaks the line — <eos> instead on the last
-    of `stop` lines. `tries` holds each row's tree (one shared tree, or each prompt's own
-    names; None for a prompt without any); `lines` (B,) counts each row's line breaks. Rows
+    A row continues its name, or at a name's end breaks the line (<eos> on the last of `stop`
+    lines). `tries`: each row's tree (None: none); `lines` (B,): each row's line breaks. Rows
     without a tree and dead rows are left as they are.
     """
     masked = np.full(logits.shape, -np.inf, dtype=np.float32)  # (B, V)

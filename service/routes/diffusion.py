@@ -50,13 +50,10 @@ ContextLookup = PromptNeighbourhood | RankedNeighbourhood | MentionedNeighbourho
 
 
 class DiffusionContext:
-    """What the served sampler attends to besides the query: the embeddings (B, C, d) of C
-    catalog items per query, or None when its model has no context. The source is recorded at
-    export (`context_source` in diffusion.json): "nearest", the query's C nearest items (one
-    search), "prompt", the C items the fan-out prompt names (`PromptNeighbourhood`), "ranked",
-    the ranker's best C candidates (`RankedNeighbourhood`), or "mentioned", the query's nearest
-    mentions then its nearest items (`MentionedNeighbourhood`). `scored`: the bundle's ranker,
-    when the assembly has built it, so that it is loaded once."""
+    """What the served sampler attends to besides the query: C catalog items per query, as
+    `context_source` in diffusion.json says: "nearest" (one search), "prompt"
+    (`PromptNeighbourhood`), "ranked" (`RankedNeighbourhood`) or "mentioned"
+    (`MentionedNeighbourhood`). `scored`: the bundle's ranker, when the assembly built it."""
 
     def __init__(self, bundle: Bundle, config: dict[str, Any],
                  scored: ScoredCandidates | None = None) -> None:

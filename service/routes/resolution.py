@@ -252,13 +252,10 @@ def lead_with_nearest(index: VectorIndex, selections: list[Selection], queries: 
 def first_distinct(index: VectorIndex, rows: np.ndarray, keep: int,
                    context: np.ndarray | None = None,
                    weights: np.ndarray | None = None) -> np.ndarray:
-    """(Q, R, d) rows in priority order → (Q, keep) positions of the rows to keep: per query,
-    the rows whose items are the first `keep` distinct ones; a repeat gives way to later rows
-    and fills in only when too few distinct items are found. A row's item is its heaviest
-    context item by its mixture `weights` (Q, R, C) when given, else its nearest context item
-    (Q, C, d) when given, else its nearest catalog item; with draws concatenated, a colliding
-    row of the first draw is replaced by the next draws' rows.
-    """
+    """(Q, R, d) rows in priority order → (Q, keep) positions of the rows whose items are the
+    first `keep` distinct ones; a repeat fills in only when too few are distinct. A row's item:
+    its heaviest by `weights` (Q, R, C), else its nearest in `context` (Q, C, d), else in the
+    catalog; with draws concatenated, a colliding row gives way to the next draws' rows."""
     q, r, d = rows.shape
     if weights is not None:
         top = np.argmax(weights, axis=2)  # (Q, R) context position

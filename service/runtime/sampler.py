@@ -1,11 +1,6 @@
-"""The diffusion retriever's runtime: the exported whole-solver ONNX graph, numpy in and out.
-
-`diffusion/sampler.onnx` maps query embeddings (B, d), noise (B, L, d) and, for a model with a
-context, its items' vectors to L unit rows per query in one `session.run` (and, for a mixture
-head, each row's weights over the context items), which service.routes.resolution resolves to
-items. CUDA is used when available; `step.onnx` (one
-denoiser evaluation) composes other samplers offline.
-"""
+"""The diffusion route's runtime: `diffusion/sampler.onnx`, the whole solver in one graph, maps
+queries (B, d), noise (B, L, d) and a context's item vectors to L unit rows per query (and a
+mixture head's weights over the context) in one `session.run`; CUDA where available."""
 
 from __future__ import annotations
 

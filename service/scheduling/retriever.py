@@ -1,11 +1,7 @@
-"""A loaded bundle ready to serve: its paths (built by service/scheduling/assembly.py),
-batchers and router, swapped whole on reload by the served state (service/api/state.py).
-
-A request goes to its A/B arm (route=auto sends a narrow query to `single`: trigger.py); a
-failing or ungrounded diffusion answer falls back along its chain (FALLBACKS: ar, else
-`single`), any other failing route to `single`, each counted by reason; a route too busy to
-answer in time refuses (429).
-"""
+"""A loaded bundle ready to serve: its paths (assembly.py), batchers and router, swapped whole
+on reload by the served state (service/api/state.py). A request goes to its A/B arm (trigger.py
+for route=auto); a failing or ungrounded answer falls back along its route's chain (FALLBACKS),
+each counted by reason; a route too busy to answer in time refuses (429)."""
 
 from __future__ import annotations
 
