@@ -13,7 +13,7 @@ from service.errors import InputError
 from service.fanout.trie import DECODINGS
 from service.runtime.encoder import MATRYOSHKA_DIMS
 from service.settings import Settings
-from training.commands import register_diffusion, subcommand_group
+from training.commands import subcommand_group
 from training.data.catalog import WORDNET
 from training.data.query_sets import EVAL_SPLITS
 from training.library_noise import silence_library_noise
@@ -23,6 +23,7 @@ from training.recipe import (  # torch-free: it imports stages 1-3 lazily
     TRAINING_PACKAGES,
 )
 from training.shipped import SHIPPED_NAME, SHIPPED_ROOT
+from training.stage3_diffusion.command import register_diffusion
 
 
 def _catalog_args(parser: argparse.ArgumentParser) -> None:

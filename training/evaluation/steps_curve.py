@@ -14,10 +14,10 @@ from service.artifacts.bundle import REPORTS_DIR, Bundle, load_bundle
 from service.routes.diffusion import DiffusionContext, repeat_draws
 from service.runtime.encoder import Encoder
 from service.runtime.sampler import DiffusionSampler, read_config
-from training.commands import SOLVER_NAMES
 from training.data.splits import load_split
 from training.evaluation.diffusion_method import open_sampler
 from training.evaluation.harness import evaluate
+from training.stage3_diffusion.command import SOLVER_NAMES
 
 STEPS_CURVE = (1, 2, 4, 8, 16, 32, 64, 256)
 DRAWS_CURVE = (1, 2)  # blocks per query, measured at the few-step end

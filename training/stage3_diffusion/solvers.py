@@ -14,7 +14,7 @@ from itertools import pairwise
 import torch
 
 from service.errors import InputError
-from training.commands import SOLVER_NAMES
+from training.stage3_diffusion.command import SOLVER_NAMES
 from training.stage3_diffusion.denoiser import Denoiser
 
 RHO = 7.0
