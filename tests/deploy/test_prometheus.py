@@ -12,7 +12,7 @@ import pytest
 
 from service.loopback import free_port
 from tests.prerequisites import needs
-from tests.service.conftest import serve_process
+from tests.service.live import serve_process
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROMETHEUS = shutil.which("prometheus")

@@ -14,7 +14,7 @@ import pytest
 
 from loadtest.wrk import drive, layers, reaped_cpu, run_wrk, wrk_result
 from tests.prerequisites import needs
-from tests.service.conftest import live_server, make_settings
+from tests.service.live import live_server, make_settings
 
 pytestmark = needs("wrk", package="Debian's wrk package (make system-deps, .ci/run)")
 

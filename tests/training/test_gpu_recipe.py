@@ -13,7 +13,7 @@ import pytest
 from service.artifacts.bundle import read_manifest, verify_bundle
 from service.artifacts.stages import PIPELINE
 from service.command import main
-from tests.service.conftest import live_server, make_settings
+from tests.service.live import live_server, make_settings
 from tests.training.stage1_fanout.test_policy import write_tiny_sources
 from training.pipeline import (
     CatalogConfig,

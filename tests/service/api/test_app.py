@@ -6,18 +6,9 @@ import pytest
 
 from service.fanout.candidates import Candidates
 from service.loopback import wait_ready
-from tests.service.conftest import (
-    CONTEXT,
-    CONTEXT_SOURCE,
-    DRAWS,
-    MALFORMED_MARK,
-    ROWS,
-    SOLVER,
-    STEPS,
-    holding_completions,
-    live_server,
-    wait_until,
-)
+from tests.service.bundles import CONTEXT, CONTEXT_SOURCE, DRAWS, ROWS, SOLVER, STEPS
+from tests.service.completion import MALFORMED_MARK, holding_completions
+from tests.service.live import live_server, wait_until
 from tests.service.scrape import assert_k_unique, metric_samples
 
 

@@ -20,15 +20,9 @@ from service.artifacts.stages import recorded_routes
 from service.routes import ROUTE_ORDER
 from service.runtime.index import IndexChoice
 from service.settings import FALLBACK_ROUTES, Settings, parse_weights
-from tests.service.conftest import (
-    ROWS,
-    LiveServer,
-    asked,
-    holding_completions,
-    live_server,
-    shipped_settings,
-    wait_until,
-)
+from tests.service.bundles import ROWS
+from tests.service.completion import asked, holding_completions
+from tests.service.live import LiveServer, live_server, shipped_settings, wait_until
 from tests.service.scrape import assert_k_unique, metric
 
 SHIPPED = {name: field.default for name, field in Settings.model_fields.items()}

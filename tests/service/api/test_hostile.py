@@ -10,7 +10,7 @@ import pytest
 
 from loadtest.hostile import HOSTILE, hostile_batch
 from service.limits import MAX_BATCH_QUERIES, MAX_QUERY_CHARS
-from tests.service.conftest import live_server
+from tests.service.live import live_server
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.prerequisites import needs
-from tests.service.conftest import ADMIN_TOKEN, live_server, serve_process
+from tests.service.live import ADMIN_TOKEN, live_server, serve_process
 
 CHROMIUM = shutil.which("chromium")
 CHROMEDRIVER = shutil.which("chromedriver")

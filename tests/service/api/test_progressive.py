@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.conftest import add_diffusion_stage, live_server, wait_until
+from tests.service.bundles import add_diffusion_stage
+from tests.service.live import live_server, wait_until
 from tests.service.scrape import assert_k_unique
 
 

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from tests.service.conftest import WAIT_S, live_server, wait_until
+from tests.service.live import WAIT_S, live_server, wait_until
 from tests.service.scrape import metric
 
 RECEIVE_TIMEOUT_S = 0.5

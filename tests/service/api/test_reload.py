@@ -12,7 +12,8 @@ import pytest
 
 from service.artifacts.bundle import read_manifest, write_manifest
 from service.loopback import free_port
-from tests.service.conftest import ADMIN_TOKEN, asked, live_server
+from tests.service.completion import asked
+from tests.service.live import ADMIN_TOKEN, live_server
 from tests.service.scrape import assert_k_unique, metric_samples
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

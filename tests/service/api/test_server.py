@@ -17,7 +17,8 @@ from service.api.middleware import request_id_var
 from service.api.server import JsonFormatter, log_config, register, settings_from
 from service.errors import InputError
 from service.settings import Settings
-from tests.service.conftest import WAIT_S, holding_completions, server_process, wait_until
+from tests.service.completion import holding_completions
+from tests.service.live import WAIT_S, server_process, wait_until
 
 
 def test_serve_subcommand_is_registered_with_its_flags():

@@ -28,7 +28,8 @@ from service.fanout.instruction import (
 )
 from service.runtime.encoder import Encoder
 from tests.gguf_model import CHAT_TEMPLATE, write_tiny_gguf
-from tests.service.conftest import LLM_CONTEXT, LLM_K, live_server, make_settings
+from tests.service.bundles import LLM_CONTEXT, LLM_K
+from tests.service.live import live_server, make_settings
 
 K, CONTEXT = LLM_K, LLM_CONTEXT
 

@@ -16,7 +16,8 @@ from service.fanout.format import build_prompt, parse_fanout
 from service.routes.answer import RouteQuery
 from service.routes.autoregressive import AutoregressiveRoute
 from service.runtime.encoder import Encoder
-from tests.service.conftest import WAIT_S, holding_completions, wait_until
+from tests.service.completion import holding_completions
+from tests.service.live import WAIT_S, wait_until
 
 
 def backend(url: str, **kwargs) -> OpenAICompletionBackend:

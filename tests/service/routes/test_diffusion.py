@@ -9,7 +9,7 @@ from pathlib import Path
 
 from service.artifacts.bundle import read_manifest, write_manifest
 from service.ranker.ranker import RANKER_DIR
-from tests.service.conftest import live_server
+from tests.service.live import live_server
 
 
 def without_ranker(bundle: Path, target: Path) -> Path:

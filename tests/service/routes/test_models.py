@@ -15,7 +15,7 @@ import pytest
 from service.artifacts.bundle import config_hash, read_manifest, stage
 from service.artifacts.items import ItemStore
 from tests.prerequisites import needs
-from tests.service.conftest import live_server, make_settings
+from tests.service.live import live_server, make_settings
 from tests.service.scrape import assert_k_unique
 
 pytestmark = needs(modules=("torch",), package="torch, the train extra (make install)")

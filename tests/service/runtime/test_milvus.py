@@ -13,7 +13,7 @@ import pytest
 from service.artifacts.bundle import load_bundle, read_manifest
 from service.errors import BundleError, IndexUnavailableError
 from service.runtime.index import IndexChoice, search
-from tests.service.conftest import live_server, wait_until
+from tests.service.live import live_server, wait_until
 from training.data.engine import load_into_milvus
 
 

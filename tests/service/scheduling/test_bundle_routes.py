@@ -11,7 +11,7 @@ import pytest
 
 from service.artifacts.bundle import read_manifest
 from service.artifacts.stages import ROUTES_FILE
-from tests.service.conftest import live_server
+from tests.service.live import live_server
 from training.evaluation.routes import RoutesConfig, choose, select_routes, weights
 
 CONFIG = RoutesConfig()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from service.routes import ROUTE_ORDER
-from tests.service.conftest import live_server
+from tests.service.live import live_server
 from tests.service.scrape import assert_k_unique, metric_samples
 
 

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from service.artifacts.bundle import load_bundle
-from tests.service.conftest import MALFORMED_MARK, live_server
+from tests.service.completion import MALFORMED_MARK
+from tests.service.live import live_server
 from tests.service.scrape import metric
 
 NARROW = "zzyzx"  # a word no catalog text holds: breadth 0

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.service.conftest import WAIT_S, holding_completions, live_server, wait_until
+from tests.service.completion import holding_completions
+from tests.service.live import WAIT_S, live_server, wait_until
 from tests.service.scrape import metric, metric_samples
 
 LONG_DEADLINE_MS = 1000.0 * WAIT_S  # requests held on purpose must not reach their deadline

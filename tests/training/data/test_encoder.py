@@ -109,7 +109,7 @@ def test_a_corrupted_encoder_is_refused(encoder_bundle, tmp_path):
 @needs_torch
 def test_the_service_encodes_queries_with_the_bundles_encoder(encoder_bundle):
     from service.runtime.index import search
-    from tests.service.conftest import live_server, make_settings
+    from tests.service.live import live_server, make_settings
 
     bundle = load_bundle(encoder_bundle)
     query = "a tall oak tree with leaves"
