@@ -29,9 +29,10 @@ from service.errors import (
     UnavailableError,
 )
 from service.metrics import Metrics
+from service.routes.answer import RouteQuery
 from service.scheduling.assembly import Loaders
 from service.scheduling.batching import yield_to_the_loop
-from service.scheduling.retriever import Retrieval, Retriever
+from service.scheduling.retriever import Retriever
 from service.settings import Settings
 
 log = logging.getLogger("r4t.app")
@@ -124,7 +125,7 @@ class ServiceState:
         started = time.monotonic()
         retriever = self.ready()
         try:  # read the served retriever and submit in one loop step: a swap cannot split them
-            served = await retriever.retrieve(Retrieval(**query.model_dump()), deadline)
+            served = await retriever.retrieve(asked(query), deadline)
         except R4TError as exc:
             self.metrics.request_duration.labels(
                 route=getattr(exc, "route", query.route), arm=getattr(exc, "arm", "none"),
@@ -263,3 +264,9 @@ def check_limits(query: RetrieveRequest, settings: Settings, retriever: Retrieve
     max_k = min(settings.max_k, len(retriever.bundle.items))
     if query.k > max_k:
         raise InputError(f"k={query.k} exceeds the maximum of {max_k}")
+
+
+def asked(request: RetrieveRequest) -> RouteQuery:
+    """The HTTP body as the one request type the retriever and the routes read."""
+    return RouteQuery(request.query, request.k, route=request.route, user_id=request.user_id,
+                      fanout=request.fanout, filter=request.filter)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -14,11 +15,18 @@ from service.runtime.filters import Where
 
 @dataclass(frozen=True)
 class RouteQuery:
+    """One request past the HTTP layer: what a route reads (text, k, where, lead, deadline) and
+    what the retriever routes it by (route, user_id, fanout, filter as asked)."""
+
     text: str
     k: int
     where: Where | None = None  # metadata filter on the returned items
     lead: int = 0  # fan-out routes: the query's own nearest items put first (route=auto)
     deadline: float | None = None  # time.monotonic() by which it is due (None: unbounded)
+    route: str = "auto"  # "auto" (A/B arm and fan-out trigger) or a route name
+    user_id: str | None = None  # the sticky A/B key
+    fanout: str = "auto"  # route=auto: "auto" fans out a broad query only, or always / never
+    filter: dict[str, Any] | None = field(default=None, hash=False)  # as asked: becomes `where`
 
 
 @dataclass

@@ -10,9 +10,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from service.artifacts.bundle import Bundle, load_bundle
 from service.artifacts.stages import recorded_routes
@@ -43,18 +43,6 @@ log = logging.getLogger("r4t.retriever")
 WARMUP_QUERIES = ("camping gear", "kitchen utensils", "musical instrument", "vehicle", "tree")
 WARMUP_DEADLINE_S = 120.0
 RECENT_QUERIES = 64  # the last queries answered, replayed through a reloaded bundle's paths
-
-
-@dataclass(frozen=True)
-class Retrieval:
-    """What one request asks of the retriever (the HTTP body's fields)."""
-
-    query: str
-    k: int = 10
-    route: str = "auto"  # "auto" (A/B arm and fan-out trigger) or a route name
-    user_id: str | None = None
-    filter: dict[str, Any] | None = None
-    fanout: FanoutMode = "auto"
 
 
 @dataclass
@@ -234,14 +222,14 @@ class Retriever:
             "batching": {name: describe(b) for name, b in self.batchers.items()},
         }
 
-    async def retrieve(self, request: Retrieval, deadline: float) -> Served:
+    async def retrieve(self, request: RouteQuery, deadline: float) -> Served:
         """Answer one request by its arm, falling back from diffusion to AR, then to single,
         when needed."""
         started = time.monotonic()
         assignment = self.router.assign(request.user_id, request.route)
         decision = await self._decide(request, assignment)
-        query = RouteQuery(request.query, request.k, where_of(request.filter, self.filter_fields),
-                          lead=decision.lead if decision is not None else 0, deadline=deadline)
+        query = replace(request, where=where_of(request.filter, self.filter_fields),
+                        lead=decision.lead if decision is not None else 0, deadline=deadline)
         route = assignment.route if decision is None or decision.fanout else "single"
         reason: str | None = None
         timings: dict[str, float] = {}
@@ -266,14 +254,14 @@ class Retriever:
             self.metrics.filled_slots.labels(route=route).inc(answer.selection.filled)
         timings.update({"queue": completed.queue_s, **answer.timings_s})
         timings["total"] = time.monotonic() - started
-        self.recent.append(request.query)  # an answered query: a reload replays it
+        self.recent.append(request.text)  # an answered query: a reload replays it
         return Served(answer, route, assignment.arm, reason, decision, timings)
 
     def _fallback(self, route: str) -> str:
         """The first route of `route`'s fallback chain this bundle serves."""
         return next((r for r in FALLBACKS[route] if r in self.batchers), LAST_ROUTE)
 
-    async def _decide(self, request: Retrieval, assignment: Assignment) -> Decision | None:
+    async def _decide(self, request: RouteQuery, assignment: Assignment) -> Decision | None:
         """route=auto: fan out, or answer with `single`? None when the request forced a route.
         The breadth is scored in a thread: a query's never-seen words cost SQLite statements."""
         if request.route != "auto":
@@ -281,9 +269,9 @@ class Retriever:
         if assignment.route == "single":
             decision = Decision(fanout=False, reason="arm")
         elif request.fanout != "auto":  # nothing to score
-            decision = self.trigger.decide(request.query, request.fanout)
+            decision = self.trigger.decide(request.text, cast(FanoutMode, request.fanout))
         else:
-            decision = await asyncio.to_thread(self.trigger.decide, request.query)
+            decision = await asyncio.to_thread(self.trigger.decide, request.text)
         if decision.score is not None:
             self.metrics.breadth.observe(decision.score)
         self.metrics.fanout_decisions.labels(fanout=str(decision.fanout).lower(),

@@ -14,8 +14,9 @@ import pytest
 
 from service.errors import BundleError
 from service.metrics import Metrics
+from service.routes.answer import RouteQuery
 from service.scheduling.assembly import Loaders
-from service.scheduling.retriever import Retrieval, Retriever
+from service.scheduling.retriever import Retriever
 from service.settings import Settings
 
 HOLD_S = 30.0  # bound on the simulated decode; reached only when the loop is stopped
@@ -103,7 +104,7 @@ def test_route_auto_scores_a_querys_breadth_off_the_event_loop(settings_for):
         retriever.trigger.decide = spy  # type: ignore[method-assign]
         loop_thread = threading.current_thread()
         try:
-            await retriever.retrieve(Retrieval("zqxv " * 200 + "dog"), time.monotonic() + 60)
+            await retriever.retrieve(RouteQuery("zqxv " * 200 + "dog", 10), time.monotonic() + 60)
         finally:
             await retriever.close()
         return on_loop
