@@ -27,6 +27,7 @@ FTS5_IDF_FLOOR = 1e-6  # FTS5's idf for a token in half the texts or more (Rober
 MAX_DF = 0.05  # share of texts above which a word is too common to search for
 MAX_QUERY_WORDS = 16  # words of a query searched: a long query costs no more than this many
 POSTINGS_BUDGET = 200_000  # postings one search reads at most (a query of frequent words)
+QUERY_IDS_CACHED = 4096  # query texts whose token ids are kept (a batch's, and repeats)
 
 
 def words(text: str) -> list[str]:
@@ -154,11 +155,21 @@ class LexicalIndex:
         self._postings = self._bm25.scores["indices"]  # (P,) rows, sorted within a token
         self._df = np.diff(self._bm25.scores["indptr"]).tolist()  # token → texts holding it
         self.tokenizer = FtsTokenizer()
+        # a query's ids are read three times a batch (its BM25 list, its mentions, its features)
+        self._ids: LRUCache[str, tuple[int, ...]] = LRUCache(QUERY_IDS_CACHED)
+        self._ids_lock = threading.Lock()
 
     def token_ids(self, query: str) -> list[int]:
         """The vocabulary ids of the query's searched words' tokens (unknown ones dropped)."""
-        searched = self.tokenizer.tokens_of(query_words(query, self.frequent))
-        return [self.vocab[t] for tokens in searched for t in tokens if t in self.vocab]
+        with self._ids_lock:
+            found = self._ids.get(query)
+        if found is None:
+            searched = self.tokenizer.tokens_of(query_words(query, self.frequent))
+            found = tuple(self.vocab[t] for tokens in searched for t in tokens
+                          if t in self.vocab)
+            with self._ids_lock:
+                self._ids[query] = found
+        return list(found)
 
     def breadth(self, query: str) -> int:
         """How many texts hold every searched word of the query: words the catalog never uses

@@ -109,6 +109,18 @@ def test_a_long_query_of_never_seen_words_costs_one_tokenizing_statement(small_b
     index.close()
 
 
+def test_a_query_s_ids_are_worked_out_once_and_handed_out_as_copies(small_bundle_dir,
+                                                                     monkeypatch):
+    index = LexicalIndex(small_bundle_dir / LEXICAL_FILE)
+    first = index.token_ids("dogs and trees")
+    assert first  # words the catalog uses
+    calls = []
+    monkeypatch.setattr(index.tokenizer, "tokens_of", lambda words: calls.append(words))
+    first.append(-1)  # a caller's copy: the next caller gets the ids unchanged
+    assert index.token_ids("dogs and trees") == first[:-1] and calls == []
+    index.close()
+
+
 def test_a_query_of_common_words_reads_a_bounded_share_of_the_postings(tmp_path, monkeypatch):
     """The commonest of a query's tokens are dropped once their postings pass the budget: the
     rare word still ranks, and a token in every text is not summed over the catalog."""
