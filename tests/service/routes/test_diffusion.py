@@ -7,8 +7,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from service.artifacts.bundle import read_manifest, write_manifest
 from service.ranker.ranker import RANKER_DIR
+from service.routes.diffusion import draw_rows
+from service.runtime.sampler import Draw
 from tests.service.live import live_server
 
 
@@ -36,3 +40,27 @@ def test_diffusion_serves_with_the_ranker_s_files_absent(serving_bundle, setting
         body = answer.json()
         assert body["route"] == "diffusion" and not body["fallback"]["used"]
         assert len({item["id"] for item in body["items"]}) == 10
+
+
+
+class TwoDraws:
+    """A sampler stand-in with a weights output, run with draws = 2: each row points at the
+    item its noise-free weights name, so which rows survive is known."""
+
+    pointed = True
+
+    def __init__(self, items: list[list[int]], context: int) -> None:
+        self.items, self.context = items, context  # per repeated query: each row's item
+        self.providers, self.config = ["test"], {"draws": 2}
+
+    def draw(self, query_emb, seed=None, noise=None, context=None) -> Draw:
+        weights = np.eye(self.context, dtype=np.float32)[np.array(self.items)]  # (B·D, L, C)
+        return Draw(weights @ context, weights)
+
+
+def test_a_second_draw_replaces_a_repeated_row_with_its_weights():
+    context = np.eye(4, dtype=np.float32)[None]  # (1, C, d): item c is axis c
+    sampler = TwoDraws([[0, 0, 1], [2, 3, 1]], context=4)  # draw 1 repeats item 0
+    drawn = draw_rows(None, sampler, np.zeros((1, 4), np.float32), 0, context)
+    assert drawn.weights.argmax(axis=2).tolist() == [[0, 1, 2]]  # draw 2's first row fills in
+    assert np.array_equal(drawn.rows, drawn.weights @ context)  # the rows kept are theirs
