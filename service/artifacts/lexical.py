@@ -17,7 +17,7 @@ from pathlib import Path
 
 import bm25s
 import numpy as np
-from cachetools import LRUCache
+from cachetools import LRUCache, cached
 
 LEXICAL_FILE = "lexical.sqlite"
 TOKENIZER = "porter unicode61 remove_diacritics 2"
@@ -156,20 +156,15 @@ class LexicalIndex:
         self._df = np.diff(self._bm25.scores["indptr"]).tolist()  # token → texts holding it
         self.tokenizer = FtsTokenizer()
         # a query's ids are read three times a batch (its BM25 list, its mentions, its features)
-        self._ids: LRUCache[str, tuple[int, ...]] = LRUCache(QUERY_IDS_CACHED)
-        self._ids_lock = threading.Lock()
+        self._ids = cached(LRUCache(QUERY_IDS_CACHED), lock=threading.Lock())(self._searched_ids)
 
     def token_ids(self, query: str) -> list[int]:
         """The vocabulary ids of the query's searched words' tokens (unknown ones dropped)."""
-        with self._ids_lock:
-            found = self._ids.get(query)
-        if found is None:
-            searched = self.tokenizer.tokens_of(query_words(query, self.frequent))
-            found = tuple(self.vocab[t] for tokens in searched for t in tokens
-                          if t in self.vocab)
-            with self._ids_lock:
-                self._ids[query] = found
-        return list(found)
+        return list(self._ids(query))
+
+    def _searched_ids(self, query: str) -> tuple[int, ...]:
+        searched = self.tokenizer.tokens_of(query_words(query, self.frequent))
+        return tuple(self.vocab[t] for tokens in searched for t in tokens if t in self.vocab)
 
     def breadth(self, query: str) -> int:
         """How many texts hold every searched word of the query: words the catalog never uses

@@ -6,6 +6,7 @@ paths here too, so they measure what the service answers."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,28 +143,6 @@ def llm_route(settings: Settings, bundle: Bundle, encoder: Encoder,
                               settings.fanout_cache_size)
 
 
-class BundleRanker:
-    """The bundle's ranker and its mention features, loaded on first use and then handed to
-    every route that reads them (ranked, a student's context): once per bundle."""
-
-    def __init__(self, bundle: Bundle) -> None:
-        self.bundle = bundle
-        self._scored: ScoredCandidates | None = None
-
-    def __call__(self) -> ScoredCandidates:
-        """The ranker (BundleError without its stage, ImportError without LightGBM)."""
-        if self._scored is None:
-            self._scored = ScoredCandidates(self.bundle)
-        return self._scored
-
-    def if_present(self) -> ScoredCandidates | None:
-        """The ranker, or None when the bundle has no ranker stage or its runtime is absent."""
-        try:
-            return self()
-        except (BundleError, ImportError):
-            return None
-
-
 def load_routes(
     settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders
 ) -> tuple[dict[str, Route], dict[str, str]]:
@@ -173,7 +152,14 @@ def load_routes(
     a corrupt graph) refuses the whole bundle, so a reload never swaps it in quietly."""
     paths: dict[str, Route] = {"single": SingleRoute(bundle, encoder)}
     problems: dict[str, str] = {}
-    ranker = BundleRanker(bundle)
+    # the ranker and its mention features, loaded once and handed to every route reading them
+    ranker = functools.cache(functools.partial(ScoredCandidates, bundle))
+
+    def ranker_if_present() -> ScoredCandidates | None:
+        try:  # a student's context reads it where the bundle has one
+            return ranker()
+        except (BundleError, ImportError):
+            return None
 
     def diffusion() -> Route:
         if not bundle.has(SAMPLER_FILE):
@@ -182,7 +168,7 @@ def load_routes(
                                   settings.threads)
         if settings.fault_diffusion_rate > 0:
             sampler = FaultySampler(sampler, settings.fault_diffusion_rate, settings.seed)
-        return DiffusionRoute(bundle, encoder, sampler, settings.seed, ranker.if_present())
+        return DiffusionRoute(bundle, encoder, sampler, settings.seed, ranker_if_present())
 
     builders: dict[str, Callable[[], Route]] = {
         "diffusion": diffusion, "ranked": lambda: RankedRoute(bundle, encoder, scored=ranker()),
