@@ -8,6 +8,7 @@ has others, as they rank nothing and cost far more than a rare word to score.
 
 from __future__ import annotations
 
+import functools
 import re
 import sqlite3
 import threading
@@ -129,6 +130,13 @@ def floor_common_tokens(scores: dict, corpus: list[list[int]]) -> None:
         scores["data"][indptr[token] : indptr[token + 1]] = FTS5_IDF_FLOOR * tf / (norm[rows] + tf)
 
 
+def searched_ids(tokenizer: FtsTokenizer, frequent: Container[str], vocab: dict[str, int],
+                 query: str) -> tuple[int, ...]:
+    """The vocabulary ids of the query's searched words' tokens (unknown ones dropped)."""
+    searched = tokenizer.tokens_of(query_words(query, frequent))
+    return tuple(vocab[t] for tokens in searched for t in tokens if t in vocab)
+
+
 class LexicalIndex:
     """Read-only BM25 search over a bundle's lexical.sqlite, safe to share between threads.
 
@@ -155,16 +163,15 @@ class LexicalIndex:
         self._postings = self._bm25.scores["indices"]  # (P,) rows, sorted within a token
         self._df = np.diff(self._bm25.scores["indptr"]).tolist()  # token → texts holding it
         self.tokenizer = FtsTokenizer()
-        # a query's ids are read three times a batch (its BM25 list, its mentions, its features)
-        self._ids = cached(LRUCache(QUERY_IDS_CACHED), lock=threading.Lock())(self._searched_ids)
+        # a query's ids are read three times a batch (its BM25 list, its mentions, its features);
+        # the cached function holds the tokenizer and vocabulary, not the index: no cycle keeps a
+        # retired bundle from being freed by reference counting
+        self._ids = cached(LRUCache(QUERY_IDS_CACHED), lock=threading.Lock())(
+            functools.partial(searched_ids, self.tokenizer, self.frequent, self.vocab))
 
     def token_ids(self, query: str) -> list[int]:
         """The vocabulary ids of the query's searched words' tokens (unknown ones dropped)."""
         return list(self._ids(query))
-
-    def _searched_ids(self, query: str) -> tuple[int, ...]:
-        searched = self.tokenizer.tokens_of(query_words(query, self.frequent))
-        return tuple(self.vocab[t] for tokens in searched for t in tokens if t in self.vocab)
 
     def breadth(self, query: str) -> int:
         """How many texts hold every searched word of the query: words the catalog never uses
