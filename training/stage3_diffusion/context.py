@@ -148,4 +148,5 @@ def bundle_context(bundle_dir: Path, data: BlockDataset, model: DenoiserConfig,
         prompt = PromptNeighbourhood(Candidates.of(bundle, model.candidates),
                                      bundle.items.texts, bundle.items.embeddings, n)
     return block_neighbourhood(data, bundle.index, bundle.items.embeddings, n, prompt,
-                               bundle.parts if model.parts else None, scored)
+                               bundle.parts if model.parts else None,
+                               scored if model.mentions else None)
