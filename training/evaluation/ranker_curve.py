@@ -63,7 +63,7 @@ def learning_curve(bundle_dir: Path, split: str, shares: tuple[float, ...] = SHA
                          f"{bundle_dir}'s benchmark has {len(train)}, {len(val)} and "
                          f"{len(scored)}")
     words, *rows = learned_rows(bundle, encoder, sizes, train, held_out_items(bundle_dir),
-                                config.words)
+                                config.words, config.head_label)
     blocks = split_rows(*rows)
     served = served_sizes(config)
     features = MentionFeatures(bundle, served, words)  # one per curve: its caches kept

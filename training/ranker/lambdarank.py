@@ -75,6 +75,10 @@ class RankerTrainConfig:
     words: int = 30  # the most frequent words either side of a mention it tells apart, per side
     cat_smooth: float = 20.0  # LightGBM's smoothing of a categorical word's statistics
     min_data_per_group: int = 50  # rows a word needs to be split on
+    # a group's head (its first item: the query's direct child, as WordNet's benchmark and
+    # ICD-10's list it) is labelled this, its other members 1: lambdarank then ranks the
+    # query's children above their descendants, one pick a branch
+    head_label: int = 2
 
 
 def served_sizes(config: RankerTrainConfig) -> CandidateSizes:
@@ -88,22 +92,23 @@ def ranker_stage_config(config: RankerTrainConfig) -> dict[str, Any]:
             "features": list(FEATURES)}
 
 
-def labeled(path: RankedRoute, queries: list[BenchmarkQuery], held: set[str]
-            ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def labeled(path: RankedRoute, queries: list[BenchmarkQuery], held: set[str],
+            head_label: int = 1) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """(features (N, F), labels (N,), rows per query) over the queries' candidates, the
-    `held` items (val's and test's) left out: neither a positive nor a negative."""
+    `held` items (val's and test's) left out: neither a positive nor a negative. A member of
+    a group is labelled 1, its first item (its head) `head_label`."""
     texts = [q.query for q in queries]
     embedded = path.encoder.encode(texts)  # (Q, d)
     tables, labels, sizes = [], [], []
     ids = path.bundle.items.ids
     pairs = zip(queries, embedded, path.features.candidates(texts, embedded), strict=True)
     for query, vector, (rows, listed) in tqdm(pairs, total=len(queries), desc="ranker rows"):
-        reference = query.reference
+        grade = {item: 1 for item in query.reference} | {g[0]: head_label for g in query.groups}
         kept = np.array([ids[r] not in held for r in rows], dtype=bool)  # (C,)
         if not kept.any():
             continue
         tables.append(path.features.features(query.query, vector, rows, listed)[kept])
-        labels.append(np.array([ids[r] in reference for r in rows[kept]], dtype=np.int32))
+        labels.append(np.array([grade.get(ids[r], 0) for r in rows[kept]], dtype=np.int32))
         sizes.append(int(kept.sum()))
     return np.concatenate(tables), np.concatenate(labels), sizes
 
@@ -124,7 +129,7 @@ def learn_words(path: RankedRoute, queries: list[BenchmarkQuery], n: int) -> Men
 
 
 def learned_rows(bundle: Any, encoder: Encoder, sizes: CandidateSizes,
-                 train: list[BenchmarkQuery], held: set[str], n_words: int
+                 train: list[BenchmarkQuery], held: set[str], n_words: int, head_label: int = 1
                  ) -> tuple[MentionWords, np.ndarray, np.ndarray, list[int]]:
     """The words learned from the train queries' candidates, then their labeled rows
     (`labeled`) with those words: what the stage and its learning curve train on."""
@@ -132,7 +137,7 @@ def learned_rows(bundle: Any, encoder: Encoder, sizes: CandidateSizes,
     words = learn_words(unworded, train, n_words)
     path = RankedRoute(bundle, encoder, Ranker(RankerConfig(sizes=sizes, words=words)),
                        unworded.features.with_words(words))  # items read once, not twice
-    return (words, *labeled(path, train, held))
+    return (words, *labeled(path, train, held, head_label))
 
 
 def fit(features: np.ndarray, labels: np.ndarray, sizes: list[int],
@@ -198,7 +203,7 @@ def train_ranker(bundle_dir: Path, config: RankerTrainConfig = RankerTrainConfig
     booster, words = None, MentionWords()
     if train:
         words, *rows = learned_rows(bundle, encoder, sizes, train, held_out_items(bundle_dir),
-                                    config.words)
+                                    config.words, config.head_label)
         booster = fit(*rows, config)
     tried = tune(bundle, encoder, served_sizes(config), booster, val, config.redundancies, words,
                  config.label_free_baseline)

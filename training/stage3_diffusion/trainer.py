@@ -374,6 +374,9 @@ def train_on_bundle(bundle_dir: Path, config: TrainConfig, dataset_dir: Path | N
         data = load_dataset(dataset_dir)
     except FileNotFoundError as exc:
         raise BundleError(f"no stage-2 dataset: {exc} (run `r4t synthesize` first)") from exc
+    width = int(data.query_emb.shape[1])
+    if config.model.dim != width:  # the bundle's encoder decides the width of an item
+        config = replace(config, model=replace(config.model, dim=width))
     context = bundle_context(bundle_dir, data, config.model, dataset_dir)
     run_dir = run_dir or bundle_dir / "runs" / RUN_NAME
     return train(data, config, run_dir, fresh=fresh, context=context, device=device)

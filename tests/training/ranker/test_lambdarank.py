@@ -57,3 +57,17 @@ def test_the_small_bundle_ranker_is_trained_recorded_and_served(small_bundle_dir
     assert (ranker.booster is not None) == (served["model"] == RANKER_MODEL)
     [answer] = RankedRoute(bundle, Encoder(bundle.encoder_config), ranker)([RouteQuery("tree", 5)])
     assert len(set(answer.selection.rows)) == 5 and answer.selection.filled == 0
+
+
+def test_a_group_s_head_is_labelled_above_its_members(small_bundle_dir):
+    from training.ranker.lambdarank import labeled
+
+    bundle = load_bundle(small_bundle_dir)
+    path = RankedRoute(bundle, Encoder(bundle.encoder_config))
+    [(rows, _)] = path.features.candidates(["tree"], path.encoder.encode(["tree"]))
+    ids = [bundle.items.ids[r] for r in rows[:4]]
+    query = BenchmarkQuery("tree", [[ids[0], ids[1]], [ids[2]]])  # heads: the first two
+    for grade in (1, 2):
+        _, labels, [size] = labeled(path, [query], {ids[3]}, grade)  # ids[3]: held out
+        assert size == len(rows) - 1
+        assert labels[:3].tolist() == [grade, 1, grade] and not labels[3:].any()
