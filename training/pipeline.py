@@ -46,7 +46,7 @@ from training.evaluation.routes import routes_stage_config
 from training.progress import BuildProgress
 from training.ranker.lambdarank import RankerTrainConfig, ranker_stage_config
 from training.recipe import NEEDS_TORCH, Recipe, init_key, resolve_recipe
-from training.shipped import ShippedStages
+from training.shipped import SHIPPED_PRESET, ShippedStages
 
 
 def stage_keys(catalog: CatalogConfig, configs: Recipe | None = None) -> dict[str, dict]:
@@ -102,9 +102,26 @@ def format_step(step: dict[str, str]) -> str:
     return f"{step['stage']}: {step['action']}{reason}"
 
 
+def print_estimate(bundle_dir: Path, stages: list[str], keys: dict[str, dict],
+                   reference: ShippedStages | None, shipped: ShippedStages | None) -> None:
+    """One line before the work starts: about how long it takes, as the `reference` build of
+    the same recipe took on its machine (2 cores), a stage that `shipped` (given for the
+    default's catalog) has under the same key costing nothing; each stage then shows a
+    progress bar."""
+    if reference is None:
+        return
+    adopted = {name for name in stages if shipped is not None
+               and shipped.record.get("keys", {}).get(name) == keys[name]}
+    seconds = reference.expected_seconds([name for name in stages if name not in adopted])
+    if seconds is not None:
+        print(f"{bundle_dir}: {len(stages)} stages to build, about {max(1, round(seconds / 60))} "
+              "min on 2 cores (as the shipped default's same stages took)", flush=True)
+
+
 def build_catalog(bundle_dir: Path, config: CatalogConfig, force: bool = False) -> dict[str, Any]:
     """Run the catalog and benchmark stages that are not current; return the manifest."""
-    manifest = _build(Path(bundle_dir), config, None, force)
+    manifest = _build(Path(bundle_dir), config, None, force,
+                      reference=ShippedStages.for_preset(SHIPPED_PRESET))
     stages = manifest.get("stages", {})
     summary = {k: stages[k] for k in (*CATALOG_STAGES, "ranker") if k in stages}
     print(json.dumps(summary, indent=2))
@@ -128,7 +145,9 @@ def build_bundle(
         if catalog_config.source != WORDNET and not catalog_config.benchmark:
             raise BundleError("stages 1-3 train on the benchmark's train split: a JSONL "
                               "catalog needs its --benchmark")
-        manifest = _build(bundle_dir, catalog_config, configs, force, progress, shipped)
+        reference = ShippedStages.for_preset(presets) if isinstance(presets, str) else None
+        manifest = _build(bundle_dir, catalog_config, configs, force, progress, shipped,
+                          reference)
         if configs is None and shipped is None:  # the catalog stages only: no recipe here
             raise BundleError(f"stages 1-3 must be trained, and {NEEDS_TORCH}")
     except BaseException as exc:
@@ -141,7 +160,9 @@ def build_bundle(
 def _build(
     bundle_dir: Path, config: CatalogConfig, configs: Recipe | None, force: bool,
     progress: BuildProgress | None = None, shipped: ShippedStages | None = None,
+    reference: ShippedStages | None = None,
 ) -> dict[str, Any]:
+    """`reference`: the shipped build of this recipe, whose build times estimate this one's."""
     manifest = _existing(bundle_dir)
     if manifest and manifest["encoder"]["dim"] != config.dim:
         raise BundleError(
@@ -162,6 +183,8 @@ def _build(
     if not todo:
         print(f"{bundle_dir}: every stage is up to date")
         return manifest
+    print_estimate(bundle_dir, [step["stage"] for step in todo], keys, reference,
+                   shipped if config.source == WORDNET else None)
     build = StageBuild(bundle_dir, config, configs, keys, force, shipped)
     if any(step["stage"] in CATALOG_STAGES for step in todo):
         build.catalog  # noqa: B018 - validate the catalog before any write

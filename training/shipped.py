@@ -66,6 +66,14 @@ class ShippedStages:
             return None
         return cls.open(SHIPPED_ROOT / SHIPPED_NAME)
 
+    def expected_seconds(self, stages: list[str]) -> float | None:
+        """How long the shipped default's build took for these stages (its recorded wall
+        times; None when it records none of them): a first estimate of a build of the same
+        recipe on a machine like its own."""
+        walls = self.record.get("build_wall_s", {})
+        known = [float(walls[name]) for name in stages if walls.get(name) is not None]
+        return sum(known) if known else None
+
     @property
     def keys(self) -> dict[str, dict[str, Any]]:
         """{stage: the config it is current by}, in build order, as the code that built it

@@ -339,3 +339,20 @@ def test_ship_refuses_an_out_folder_that_holds_something_else(built, tmp_path) -
     with pytest.raises(BundleError, match=r"holds no shipped\.json"):
         ship(bundle, stage_keys(config, Recipe.for_preset("tiny")), {}, other)
     assert (other / "manifest.json").read_text() == "{}"
+
+
+def test_the_estimate_sums_the_reference_s_build_times_of_the_stages_it_will_train(
+        tmp_path, capsys) -> None:
+    from training.pipeline import print_estimate
+    from training.shipped import ShippedStages
+
+    record = {"build_wall_s": {"catalog": 30.0, "synthesis": 60.0, "diffusion": 600.0},
+              "keys": {"synthesis": {"a": 1}, "diffusion": {"b": 2}}}
+    reference = ShippedStages(tmp_path, record)
+    keys = {"catalog": {}, "synthesis": {"a": 1}, "diffusion": {"b": 3}}
+    print_estimate(tmp_path, list(keys), keys, reference, None)  # a user's catalog: all train
+    assert "3 stages to build, about 12 min" in capsys.readouterr().out
+    print_estimate(tmp_path, list(keys), keys, reference, reference)  # synthesis adopted
+    assert "about 10 min" in capsys.readouterr().out
+    print_estimate(tmp_path, list(keys), keys, None, None)  # another recipe: no estimate
+    assert capsys.readouterr().out == ""
