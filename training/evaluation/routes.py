@@ -3,7 +3,8 @@ split, so no user is served a learned model that loses to a cheaper route on the
 
 The last stage of `r4t bundle`: each fan-out route the bundle has (diffusion, ranked, hybrid)
 and `single` run through the harness on val. Among the fan-out routes whose recall@5k is not
-below single's, those within `tie_se` paired standard errors of the best coverage@10 are tied,
+below single's by more than `tie_se` paired standard errors (a few val queries' noise must not
+hand a catalog to `single`), those within `tie_se` paired se of the best coverage@10 are tied,
 and the cheapest (this process's CPU per answer, measured in the same run) becomes the
 default arm (single when none keeps its recall), beside the AR arm's share when the bundle has
 an AR policy. The table and the weights land in `routes.json`, which the service reads when
@@ -48,6 +49,7 @@ class RoutesConfig:
 
 COST = "cpu_ms_per_query"  # the harness's CPU per answer: the price ties are broken by
 PER_QUERY = "per_query"  # a table row's per-query values of the metric, for the paired tie
+PER_QUERY_RECALL = "per_query_recall@5k"  # and of recall@5k, for the paired floor
 
 
 def routes_stage_config(config: RoutesConfig = RoutesConfig()) -> dict[str, Any]:
@@ -57,9 +59,11 @@ def routes_stage_config(config: RoutesConfig = RoutesConfig()) -> dict[str, Any]
 def choose(table: dict[str, dict[str, Any]], config: RoutesConfig) -> str:
     """The cheapest fan-out route tied with the best by `config.metric` (within `tie_se`
     paired se, where the rows hold per-query values), among those whose recall@5k is at
-    least single's."""
-    floor = table["single"]["recall@5k"]
-    fair = [r for r in FANOUT_ROUTES if r in table and table[r]["recall@5k"] >= floor]
+    least single's or within `tie_se` paired se of it."""
+    single = table["single"]
+    fair = [r for r in FANOUT_ROUTES if r in table and (
+        table[r]["recall@5k"] >= single["recall@5k"]
+        or _tied(single, table[r], config.tie_se, PER_QUERY_RECALL))]
     if not fair:
         return "single"
     best = max(fair, key=lambda r: table[r][config.metric])
@@ -67,11 +71,13 @@ def choose(table: dict[str, dict[str, Any]], config: RoutesConfig) -> str:
     return min(tied, key=lambda r: (table[r].get(COST, 0.0), FANOUT_ROUTES.index(r)))
 
 
-def _tied(best: dict[str, Any], other: dict[str, Any], tie_se: float) -> bool:
-    """Whether `other` is within `tie_se` paired standard errors of `best`."""
-    if PER_QUERY not in best or PER_QUERY not in other:
+def _tied(best: dict[str, Any], other: dict[str, Any], tie_se: float,
+          values: str = PER_QUERY) -> bool:
+    """Whether `other` is within `tie_se` paired standard errors of `best`, by their per-query
+    `values`."""
+    if values not in best or values not in other:
         return False
-    diff = np.asarray(best[PER_QUERY], dtype=float) - np.asarray(other[PER_QUERY], dtype=float)
+    diff = np.asarray(best[values], dtype=float) - np.asarray(other[values], dtype=float)
     return float(diff.mean()) <= tie_se * standard_error(diff)
 
 
@@ -98,6 +104,7 @@ def select_routes(bundle_dir: Path, config: RoutesConfig = RoutesConfig()) -> di
                                                       "precision@10", "latency_ms_per_query")}
         table[route][COST] = float(report["diagnostics"][COST])
         table[route][PER_QUERY] = report["diagnostics"]["per_query"][config.metric]
+        table[route][PER_QUERY_RECALL] = report["diagnostics"]["per_query"]["recall@5k"]
     best = choose(table, config)
     served = weights(best, any(p in stages for p in AR_POLICIES), config)
     print(f"routes on {config.split}: " + ", ".join(

@@ -56,6 +56,20 @@ def test_a_route_tied_with_the_best_on_val_wins_when_it_is_cheaper():
     assert choose(dearer, CONFIG) == "ranked"
 
 
+def test_a_recall_a_hair_below_single_s_is_noise_and_a_clear_loss_is_not():
+    rng = np.random.default_rng(1)
+    recall = rng.uniform(0.7, 1.0, 28)
+    single = {**measured([0.3] * 28, float(recall.mean()), 0.2),
+              "per_query_recall@5k": recall.tolist()}
+    hair = [r - 0.05 if i in (2, 9) else r for i, r in enumerate(recall)]  # two queries
+    clear = (recall - 0.05).tolist()  # every query
+    ranked = measured([0.45] * 28, float(np.mean(hair)), 5.0)
+    assert choose({"ranked": {**ranked, "per_query_recall@5k": hair}, "single": single},
+                  CONFIG) == "ranked"
+    lost = {**ranked, "recall@5k": float(np.mean(clear)), "per_query_recall@5k": clear}
+    assert choose({"ranked": lost, "single": single}, CONFIG) == "single"
+
+
 def test_weights_keep_the_ar_arm_only_where_there_is_one():
     assert weights("ranked", True, CONFIG) == "ranked=0.9,ar=0.1"
     assert weights("ranked", False, CONFIG) == "ranked=1"
