@@ -104,15 +104,18 @@ def format_step(step: dict[str, str]) -> str:
 
 def print_estimate(bundle_dir: Path, stages: list[str], keys: dict[str, dict],
                    reference: ShippedStages | None, shipped: ShippedStages | None) -> None:
-    """One line before the work starts: about how long it takes, as the `reference` build of
-    the same recipe took on its machine (2 cores), a stage that `shipped` (given for the
-    default's catalog) has under the same key costing nothing; each stage then shows a
-    progress bar."""
+    """One line before the work starts: about how long it takes, as the `reference` build (the
+    shipped default) took on its machine (2 cores) for the same stages; a stage `shipped` (given
+    for the default's catalog) has under the same key costs nothing. No line when a stage of
+    stages 1-3 trains with a recipe the reference did not (its time is unknown)."""
     if reference is None:
         return
-    adopted = {name for name in stages if shipped is not None
-               and shipped.record.get("keys", {}).get(name) == keys[name]}
-    seconds = reference.expected_seconds([name for name in stages if name not in adopted])
+    recorded = reference.record.get("keys", {})
+    trained = [name for name in stages
+               if shipped is None or shipped.record.get("keys", {}).get(name) != keys[name]]
+    if any(name in SHIPPED_STAGES and recorded.get(name) != keys[name] for name in trained):
+        return
+    seconds = reference.expected_seconds(trained)
     if seconds is not None:
         print(f"{bundle_dir}: {len(stages)} stages to build, about {max(1, round(seconds / 60))} "
               "min on 2 cores (as the shipped default's same stages took)", flush=True)
@@ -145,9 +148,8 @@ def build_bundle(
         if catalog_config.source != WORDNET and not catalog_config.benchmark:
             raise BundleError("stages 1-3 train on the benchmark's train split: a JSONL "
                               "catalog needs its --benchmark")
-        reference = ShippedStages.for_preset(presets) if isinstance(presets, str) else None
         manifest = _build(bundle_dir, catalog_config, configs, force, progress, shipped,
-                          reference)
+                          ShippedStages.for_preset(SHIPPED_PRESET))
         if configs is None and shipped is None:  # the catalog stages only: no recipe here
             raise BundleError(f"stages 1-3 must be trained, and {NEEDS_TORCH}")
     except BaseException as exc:

@@ -349,10 +349,11 @@ def test_the_estimate_sums_the_reference_s_build_times_of_the_stages_it_will_tra
     record = {"build_wall_s": {"catalog": 30.0, "synthesis": 60.0, "diffusion": 600.0},
               "keys": {"synthesis": {"a": 1}, "diffusion": {"b": 2}}}
     reference = ShippedStages(tmp_path, record)
-    keys = {"catalog": {}, "synthesis": {"a": 1}, "diffusion": {"b": 3}}
+    keys = {"catalog": {}, "synthesis": {"a": 1}, "diffusion": {"b": 2}}
     print_estimate(tmp_path, list(keys), keys, reference, None)  # a user's catalog: all train
     assert "3 stages to build, about 12 min" in capsys.readouterr().out
-    print_estimate(tmp_path, list(keys), keys, reference, reference)  # synthesis adopted
-    assert "about 10 min" in capsys.readouterr().out
-    print_estimate(tmp_path, list(keys), keys, None, None)  # another recipe: no estimate
+    print_estimate(tmp_path, list(keys), keys, reference, reference)  # stages 2-3 adopted
+    assert "3 stages to build, about 1 min" in capsys.readouterr().out
+    other = {**keys, "diffusion": {"b": 3}}  # another recipe: its time is unknown
+    print_estimate(tmp_path, list(other), other, reference, None)
     assert capsys.readouterr().out == ""
