@@ -123,8 +123,7 @@ def print_estimate(bundle_dir: Path, stages: list[str], keys: dict[str, dict],
 
 def build_catalog(bundle_dir: Path, config: CatalogConfig, force: bool = False) -> dict[str, Any]:
     """Run the catalog and benchmark stages that are not current; return the manifest."""
-    manifest = _build(Path(bundle_dir), config, None, force,
-                      reference=ShippedStages.for_preset(SHIPPED_PRESET))
+    manifest = _build(Path(bundle_dir), config, None, force)
     stages = manifest.get("stages", {})
     summary = {k: stages[k] for k in (*CATALOG_STAGES, "ranker") if k in stages}
     print(json.dumps(summary, indent=2))
@@ -148,8 +147,7 @@ def build_bundle(
         if catalog_config.source != WORDNET and not catalog_config.benchmark:
             raise BundleError("stages 1-3 train on the benchmark's train split: a JSONL "
                               "catalog needs its --benchmark")
-        manifest = _build(bundle_dir, catalog_config, configs, force, progress, shipped,
-                          ShippedStages.for_preset(SHIPPED_PRESET))
+        manifest = _build(bundle_dir, catalog_config, configs, force, progress, shipped)
         if configs is None and shipped is None:  # the catalog stages only: no recipe here
             raise BundleError(f"stages 1-3 must be trained, and {NEEDS_TORCH}")
     except BaseException as exc:
@@ -162,9 +160,7 @@ def build_bundle(
 def _build(
     bundle_dir: Path, config: CatalogConfig, configs: Recipe | None, force: bool,
     progress: BuildProgress | None = None, shipped: ShippedStages | None = None,
-    reference: ShippedStages | None = None,
 ) -> dict[str, Any]:
-    """`reference`: the shipped build of this recipe, whose build times estimate this one's."""
     manifest = _existing(bundle_dir)
     if manifest and manifest["encoder"]["dim"] != config.dim:
         raise BundleError(
@@ -185,7 +181,8 @@ def _build(
     if not todo:
         print(f"{bundle_dir}: every stage is up to date")
         return manifest
-    print_estimate(bundle_dir, [step["stage"] for step in todo], keys, reference,
+    print_estimate(bundle_dir, [step["stage"] for step in todo], keys,
+                   ShippedStages.for_preset(SHIPPED_PRESET),
                    shipped if config.source == WORDNET else None)
     build = StageBuild(bundle_dir, config, configs, keys, force, shipped)
     if any(step["stage"] in CATALOG_STAGES for step in todo):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import xml.etree.ElementTree as ET
 from importlib import resources
 from pathlib import Path
@@ -86,7 +87,11 @@ def write_benchmark(directory: Path) -> tuple[Path, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path, help="where to write the two JSONL files")
-    catalog, benchmark = write_benchmark(parser.parse_args().directory)
+    try:
+        catalog, benchmark = write_benchmark(parser.parse_args().directory)
+    except (InputError, OSError) as exc:  # one line and exit 2, as the r4t command does
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"wrote {catalog} and {benchmark}")
 
 

@@ -42,3 +42,15 @@ def test_the_split_gives_every_split_labeled_queries(icd10):
     assert all(len(splits[name]) >= 20 for name in ("val", "test"))
     train = {q.query.lower() for q in splits["train"]}
     assert not any(q.query.lower() in train for q in splits["val"] + splits["test"])
+
+
+def test_a_bad_directory_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from training.data.icd10 import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr("sys.argv", ["icd10", str(blocker / "below")])
+    with pytest.raises(SystemExit) as stop:
+        main()
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
