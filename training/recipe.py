@@ -43,7 +43,8 @@ class PresetNames:
 
 
 RECIPE_PRESETS: dict[str, PresetNames] = {
-    "cpu": PresetNames("cpu", "cpu", "cpu", "cpu"),  # the default bundle
+    # the default bundle: its diffusion student reads no ranker at serve time
+    "cpu": PresetNames("cpu", "cpu", "cpu", "standalone"),
     "tiny": PresetNames("tiny", "tiny", "tiny", "tiny"),  # tests, seconds
     # the paper's denoiser, for a measured-length run (docs/gpu.md)
     "gpu": PresetNames("cpu", "gpu", "gpu", "paper", diffusion_steps=GPU_DIFFUSION_STEPS,

@@ -6,10 +6,13 @@ the student, which then needs neither the ranker's model nor its candidate lists
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
+import cachetools
 import numpy as np
+from cachetools import LRUCache
 
 from service.artifacts.bundle import Bundle
 from service.ranker.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
@@ -19,6 +22,7 @@ WORDS = 30  # words per side told apart (the ranker's default); one more slot fo
 NUMERIC = ("similarity", "mentions", "mention_position", "early_mention", "log_name_fanin",
            "name_words", "name_holds_query", "head_match", "text_words", "rank")
 MENTION_WIDTH = len(NUMERIC) + 2 * (WORDS + 1)
+BLOCK_BYTES = 64 << 20  # the mention blocks kept (a batch's, and repeats), by their bytes
 
 
 def leading_mentions(n: int) -> int:
@@ -59,9 +63,11 @@ class MentionContext:
         self.features = MentionFeatures(bundle, words=words) if shared is None \
             else shared.with_words(words)
 
-    def __call__(self, texts: Sequence[str], queries: np.ndarray, rows: np.ndarray
-                 ) -> np.ndarray:
-        table = self.features.table(texts, queries, [(r, 0) for r in rows])  # (B·C, F)
+    def __call__(self, texts: Sequence[str], queries: np.ndarray, rows: np.ndarray,
+                 context: np.ndarray | None = None) -> np.ndarray:
+        """`context`: the rows' embeddings (B, C, d), when the caller gathered them."""
+        similarity = None if context is None else (context @ queries[:, :, None]).reshape(-1)
+        table = self.features.table(texts, queries, [(r, 0) for r in rows], similarity)
         return encode_mentions(table, rows.shape[1]).reshape(*rows.shape, MENTION_WIDTH)
 
 
@@ -74,17 +80,33 @@ class MentionedNeighbourhood:
     def __init__(self, features: MentionFeatures, index: Any, n: int) -> None:
         self.features, self.index, self.n = features, index, int(n)
         self.lead = leading_mentions(self.n)
+        # a query's mentions with their embeddings side by side: one contiguous product a
+        # query, not a gather from the catalog (bounded by bytes, as the mention lists are)
+        self._blocks = cachetools.cached(
+            LRUCache(BLOCK_BYTES, getsizeof=lambda block: block[0].nbytes + block[1].nbytes),
+            lock=threading.Lock(), key=lambda ids: tuple(sorted(set(ids))))(self._block)
+
+    def _block(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        rows = self.features.lexical.holding(ids)
+        return rows, np.ascontiguousarray(self.features.embeddings[rows])  # (M,), (M, d)
+
+    def leading(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
+        """(Q, lead) int64: each query's nearest mentions, nearest first, -1 past its last."""
+        out = np.full((len(texts), self.lead), -1, dtype=np.int64)
+        for i, (text, query) in enumerate(zip(texts, queries, strict=True)):
+            held, vectors = self._blocks(self.features.lexical.token_ids(text))
+            similarity = vectors @ query  # (M,)
+            if len(held) > self.lead:  # the nearest of a broad word's thousands
+                kept = np.argpartition(-similarity, self.lead)[: self.lead]
+                held, similarity = held[kept], similarity[kept]
+            out[i, : len(held)] = held[np.argsort(-similarity, kind="stable")]
+        return out
 
     def rows(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
         """(Q, n) int64 catalog rows of each query (texts and embeddings (Q, d))."""
         nearest = neighbour_rows(self.index, queries, self.n)  # (Q, n)
-        embeddings, out = self.features.embeddings, np.empty((len(texts), self.n), np.int64)
-        for i, (text, query, near) in enumerate(zip(texts, queries, nearest, strict=True)):
-            held = self.features.mentions(text)
-            similarity = embeddings[held] @ query  # (M,)
-            if len(held) > self.lead:  # the nearest of a broad word's thousands
-                kept = np.argpartition(-similarity, self.lead)[: self.lead]
-                held, similarity = held[kept], similarity[kept]
-            held = held[np.argsort(-similarity, kind="stable")]
-            out[i] = list(dict.fromkeys([*held.tolist(), *near.tolist()]))[: self.n]
-        return out
+        lead = self.leading(texts, queries)  # (Q, lead)
+        repeated = (nearest[:, :, None] == lead[:, None, :]).any(axis=2)  # (Q, n) led already
+        kept = np.concatenate([lead >= 0, ~repeated], axis=1)  # (Q, lead + n)
+        order = np.argsort(~kept, axis=1, kind="stable")[:, : self.n]  # kept first, in order
+        return np.take_along_axis(np.concatenate([lead, nearest], axis=1), order, axis=1)

@@ -19,7 +19,7 @@ import numpy as np
 from cachetools import LRUCache
 
 from service.artifacts.bundle import Bundle
-from service.artifacts.lexical import MAX_QUERY_WORDS, WORD, LexicalIndex
+from service.artifacts.lexical import MAX_QUERY_WORDS, QUERY_IDS_CACHED, WORD, LexicalIndex
 from service.fanout.candidates import Candidates
 from service.ranker.words import ItemWords
 
@@ -109,9 +109,14 @@ class AskedTokens:
 
     @classmethod
     def of(cls, ids: Sequence[np.ndarray]) -> AskedTokens:
+        return cls.of_held([(a, np.unique(a[a >= 0])) for a in ids])
+
+    @classmethod
+    def of_held(cls, queries: Sequence[tuple[np.ndarray, np.ndarray]]) -> AskedTokens:
+        """From each query's token ids and the distinct ones an item can hold (`held`)."""
+        ids, held = [a for a, _ in queries], [h for _, h in queries]
         sizes = np.array([len(a) for a in ids], dtype=np.int64)
         last = np.array([a[-1] if len(a) else NO_TOKEN for a in ids], dtype=np.int64)
-        held = [np.unique(a[a >= 0]) for a in ids]
         searched = np.full((len(ids), max([len(h) for h in held], default=0)), NO_TOKEN)
         for q, h in enumerate(held):
             searched[q, : len(h)] = h
@@ -149,6 +154,9 @@ class MentionFeatures:
         self._mentions = cachetools.cached(
             LRUCache(MENTION_BYTES, getsizeof=lambda rows: rows.nbytes), lock=threading.Lock(),
             key=lambda ids: tuple(sorted(set(ids))))(self.lexical.holding)
+        # a query's tokens by its text, worked out once (a batch repeats popular queries)
+        self._query_tokens = cachetools.cached(LRUCache(QUERY_IDS_CACHED),
+                                               lock=threading.Lock())(self._held_tokens)
 
     def mentions(self, text: str) -> np.ndarray:
         """The rows of the texts holding every searched word of the query `text`."""
@@ -176,9 +184,11 @@ class MentionFeatures:
         return self.table([text], query[None], [(rows, hybrid)])
 
     def table(self, texts: Sequence[str], queries: np.ndarray,
-              found: Sequence[tuple[np.ndarray, int]]) -> np.ndarray:
+              found: Sequence[tuple[np.ndarray, int]],
+              similarity: np.ndarray | None = None) -> np.ndarray:
         """(ΣC, F) float32: the feature rows of a batch's candidates (`candidates`' output for
-        texts and embeddings (Q, d)), query after query, read for the whole batch at once."""
+        texts and embeddings (Q, d)), query after query, read for the whole batch at once;
+        `similarity` (ΣC,): their cosines, when the caller holds their embeddings already."""
         batch = CandidateBatch.of(found)
         rows, owner = batch.rows, batch.owner
         asked = self._asked(texts)
@@ -191,8 +201,8 @@ class MentionFeatures:
         last[name_of[is_last]] = names[is_last]
         mentioned = [self.mentions(text) for text in texts]
         columns = {
-            "similarity": np.concatenate([self.embeddings[r] @ q for (r, _), q in  # as served
-                                          zip(found, queries, strict=True)] or [[]]),
+            "similarity": similarity if similarity is not None else np.concatenate(
+                [self.embeddings[r] @ q for (r, _), q in zip(found, queries, strict=True)] or [[]]),
             "hybrid_rank": np.where(batch.listed, batch.rank, ABSENT_RANK),
             "mentions": sorted_holds(np.concatenate(  # ascending: queries', then rows
                 [q * len(self.texts) + m for q, m in enumerate(mentioned)] or [[]]),
@@ -212,7 +222,12 @@ class MentionFeatures:
         return table
 
     def _asked(self, texts: Sequence[str]) -> AskedTokens:
-        return AskedTokens.of([self.item_words.ids(self.tokens(t)) for t in texts])
+        return AskedTokens.of_held([self._query_tokens(t) for t in texts])
+
+    def _held_tokens(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """The query's tokens as ItemWords ids, and the distinct ones an item can hold."""
+        ids = self.item_words.ids(self.tokens(text))
+        return ids, np.unique(ids[ids >= 0])
 
     def _positions(self, batch: CandidateBatch, asked: AskedTokens) -> np.ndarray:
         """(N,) the first word of each row's description that is a word of its query, -1:

@@ -120,7 +120,8 @@ class DiffusionContext:
                  texts: Sequence[str]) -> np.ndarray:
         """(B, C, d [+ P] [+ M]) what the sampler reads of the context (B, C, d) of rows
         (B, C) of queries `texts` (embeddings `queries`)."""
-        mentions = None if self.mentions is None else self.mentions(texts, queries, rows)
+        mentions = None if self.mentions is None else self.mentions(texts, queries, rows,
+                                                                     context)
         return context_features(context, self.parts, rows, queries, mentions)
 
     def __call__(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:

@@ -160,15 +160,17 @@ def resolve_in_context(
     (the context is not filtered); groundedness is then measured against the catalog too.
     `weights` (Q, L, C): the probes are mixtures of their context, and claim by them."""
     filters = wheres if wheres is not None else [None] * len(ks)
-    selections = [Selection() for _ in ks]
     grounded = np.zeros(len(ks), dtype=np.float32)
     free = [i for i, where in enumerate(filters) if where is None]
+    claimed: dict[int, Selection] = {}
     if free and probes.shape[1]:
-        claimed, grounded[free] = claim_in_context(
-            probes[free], context_rows[free], context[free], [ks[i] for i in free],
-            None if weights is None else weights[free])
-        for j, i in enumerate(free):
-            selections[i] = claimed[j]
+        every = len(free) == len(ks)  # the usual batch: no copies of its arrays
+        found, grounded[free] = claim_in_context(
+            probes if every else probes[free], context_rows if every else context_rows[free],
+            context if every else context[free], [ks[i] for i in free],
+            weights if weights is None or every else weights[free])
+        claimed = dict(zip(free, found, strict=True))
+    selections = [claimed.get(i) or Selection() for i in range(len(ks))]
     fill_short(index, selections, queries, ks, free)
     filtered = [i for i, where in enumerate(filters) if where is not None]
     if filtered:
@@ -185,7 +187,7 @@ def claim_in_context(probes: np.ndarray, context_rows: np.ndarray, context: np.n
     """Round-robin claims of probes (Q, L, d), L ≥ 1, among context_rows (Q, C) with embeddings
     context (Q, C, d), by cosine or by the probes' mixture `weights` (Q, L, C) when given; and
     each query's groundedness against them (Q,)."""
-    cosines = np.einsum("qld,qcd->qlc", probes, context)  # (Q, L, C)
+    cosines = probes @ context.transpose(0, 2, 1)  # (Q, L, C)
     scores = cosines if weights is None else weights
     ranked, found = best_first(scores, context_rows, probe_depth(scores.shape[1], max(ks),
                                                                  scores.shape[2]))

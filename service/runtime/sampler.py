@@ -1,6 +1,7 @@
 """The diffusion route's runtime: `diffusion/sampler.onnx`, the whole solver in one graph, maps
-queries (B, d), noise (B, L, d) and a context's item vectors to L unit rows per query (and a
-mixture head's weights over the context) in one `session.run`; CUDA where available."""
+queries (B, d), noise (B, L, d) and a context's item vectors to L unit rows per query (or a
+mixture head's weights over the context, whose mixtures the rows are) in one `session.run`;
+CUDA where available."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ CONFIG_FILE = "diffusion.json"
 SAMPLER_FILE = "sampler.onnx"
 STEP_FILE = "step.onnx"
 CONTEXT_INPUT = "context"
+ROWS_OUTPUT = "rows"
 WEIGHTS_OUTPUT = "weights"  # a mixture head's (B, L, C): which context item each row is
 
 
@@ -50,8 +52,10 @@ class DiffusionSampler:
             raise BundleError(f"{path} is missing")
         self.session = open_session(path, providers, threads)
         self.providers: list[str] = self.session.get_providers()
-        # whether the graph also returns its rows' weights over the context (a mixture head)
-        self.pointed = WEIGHTS_OUTPUT in [o.name for o in self.session.get_outputs()]
+        # whether the graph returns its rows' weights over the context (a mixture head), and
+        # whether it returns the rows too (else they are the weights' mixture, mixed here)
+        outputs = [o.name for o in self.session.get_outputs()]
+        self.pointed, self.mixed = WEIGHTS_OUTPUT in outputs, ROWS_OUTPUT not in outputs
         self.rows = int(self.config["rows"])
         self.dim = int(self.config["dim"])
         self.context = int(self.config.get("context", 0))
@@ -97,5 +101,16 @@ class DiffusionSampler:
                         np.zeros((0, self.rows, self.context), dtype=np.float32)
                         if self.pointed else None)
         feeds["noise"] = np.ascontiguousarray(noise, dtype=np.float32)
-        found = self.session.run(["rows", *([WEIGHTS_OUTPUT] if self.pointed else [])], feeds)
+        if self.mixed:
+            [weights] = self.session.run([WEIGHTS_OUTPUT], feeds)  # (B, L, C)
+            return Draw(mixture_rows(weights, feeds[CONTEXT_INPUT][..., : self.dim]), weights)
+        found = self.session.run([ROWS_OUTPUT, *([WEIGHTS_OUTPUT] if self.pointed else [])],
+                                 feeds)
         return Draw(found[0], found[1] if self.pointed else None)
+
+
+def mixture_rows(weights: np.ndarray, context: np.ndarray) -> np.ndarray:
+    """(B, L, d) unit rows: each row's weights (B, L, C) over the context items' embeddings
+    (B, C, d); one batched product here costs a fraction of the graph's."""
+    mixed = np.matmul(weights, context)  # (B, L, d)
+    return mixed / np.maximum(np.linalg.norm(mixed, axis=-1, keepdims=True), 1e-12)

@@ -214,14 +214,14 @@ def test_a_picking_teachers_blocks_are_keyed_by_the_students_context() -> None:
     """The ranker picks among the student's context: a new context size rebuilds stage 2, and
     a policy teacher (which writes sub-queries) has no context in its key."""
     from training.pipeline import stage_keys
-    from training.stage3_diffusion.denoiser import PRESETS
 
     catalog = CatalogConfig(source="wordnet")
     recipe = Recipe.for_preset("cpu")
+    context = recipe.diffusion.model.context
     picker = recipe.synthesis.teacher != "folm"
-    assert picker and stage_keys(catalog, recipe)["synthesis"]["context"] == PRESETS["cpu"].context
+    assert picker and stage_keys(catalog, recipe)["synthesis"]["context"] == context
     wider = replace(recipe, diffusion=replace(recipe.diffusion, model=replace(
-        recipe.diffusion.model, context=2 * PRESETS["cpu"].context)))
+        recipe.diffusion.model, context=2 * context)))
     assert stage_keys(catalog, wider)["synthesis"] != stage_keys(catalog, recipe)["synthesis"]
     policy = replace(recipe, synthesis=replace(recipe.synthesis, teacher="folm"))
     assert "context" not in stage_keys(catalog, policy)["synthesis"]

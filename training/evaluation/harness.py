@@ -39,6 +39,7 @@ from training.evaluation.context_scorer import context_scorer
 from training.evaluation.diffusion_method import diffusion
 from training.evaluation.fanout import FANOUT_METHODS
 from training.evaluation.llm import LLM_METHODS
+from training.evaluation.student_scores import diffusion_scores
 
 METRICS = (
     "recall@5k", "hit@5k", "precision@10", "coverage@10", "hit@1", "ndcg@10", "reach@10",
@@ -53,7 +54,8 @@ DIAGNOSTICS = ("distinct_subqueries", "recall@5k_union", "pool_size", "union_poo
 METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS, **LLM_METHODS,
                                              "diffusion": diffusion, "auto": auto,
                                              "auto-ar": auto_ar, "diffusion-led": diffusion_led,
-                                             "ar-led": ar_led, "context-scorer": context_scorer}
+                                             "ar-led": ar_led, "context-scorer": context_scorer,
+                                             "diffusion-scores": diffusion_scores}
 AR_POLICY = ("folm", "folm-warmstart")  # the AR route serves either
 _PROMPTED = "lexical"  # the prompts' and the student's candidates are hybrid: they read it
 # the bundle stages each method reads besides the catalog (and the split's benchmark)
@@ -65,7 +67,8 @@ METHOD_STAGES: dict[str, tuple[str | tuple[str, ...], ...]] = {
     "ranked": (_PROMPTED, "ranker"),
     "context-scorer": (),  # it reads a stage-2 run (the bundle's, or its `dataset`)
     **dict.fromkeys(LLM_METHODS, (_PROMPTED, "llm")),
-    **dict.fromkeys(("diffusion", "auto", "diffusion-led"), (_PROMPTED, "diffusion")),
+    **dict.fromkeys(("diffusion", "auto", "diffusion-led", "diffusion-scores"),
+                    (_PROMPTED, "diffusion")),
     **dict.fromkeys(("auto-ar", "ar-led"), (_PROMPTED, AR_POLICY)),
 }
 PER_SEED = ("recall@5k", "coverage@10", "reward")  # per-seed means kept in the diagnostics

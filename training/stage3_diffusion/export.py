@@ -4,7 +4,8 @@
   dynamo exporter (CFG folded in as D = D_c + w·(D_c − D_u)); a mixture head's also returns its
   weights over the context items.
 - `sampler.onnx`: the whole solver composed from it (sampler_graph.py): query, [context], noise →
-  unit rows [, the last evaluation's weights], in one `session.run`. Several draws per query are
+  unit rows, or a mixture head's last weights (the service mixes the rows), in one
+  `session.run`. Several draws per query are
   not in the graph: the service runs it over the batch repeated
   (`service.routes.diffusion.draw_rows`).
 """
@@ -26,7 +27,7 @@ from torch import nn
 
 from service.artifacts.bundle import config_hash, read_manifest, stage
 from service.errors import BundleError, InputError
-from service.runtime.sampler import CONTEXT_INPUT, WEIGHTS_OUTPUT
+from service.runtime.sampler import CONTEXT_INPUT, ROWS_OUTPUT, WEIGHTS_OUTPUT, mixture_rows
 from training.stage3_diffusion.denoiser import (
     PRESETS,
     Denoiser,
@@ -126,17 +127,15 @@ def parity(model: Denoiser, sampler: onnx.ModelProto, config: ExportConfig) -> f
         context = torch.from_numpy(feeds[CONTEXT_INPUT])
     session = ort.InferenceSession(sampler.SerializeToString(),
                                    providers=["CPUExecutionProvider"])
-    onnx_rows = session.run(["rows"], feeds)[0]
+    if mc.reads_items:  # the graph returns the weights; their mixture is the rows served
+        weights = session.run([WEIGHTS_OUTPUT], feeds)[0]  # (B, L, C)
+        onnx_rows = mixture_rows(weights, feeds[CONTEXT_INPUT][..., : mc.dim])
+    else:
+        onnx_rows = session.run([ROWS_OUTPUT], feeds)[0]
     torch_rows = sample(model, torch.from_numpy(query), config.solver, config.steps,
                         config.cfg_weight, noise=torch.from_numpy(noise),
                         context=context).numpy()
-    diff = float(np.abs(onnx_rows - torch_rows).max())
-    if mc.reads_items:  # the rows are the mixture its weights say, which the service claims by
-        weights = session.run([WEIGHTS_OUTPUT], feeds)[0]  # (B, L, C)
-        mixed = weights @ feeds[CONTEXT_INPUT][..., : mc.dim]  # (B, L, d)
-        mixed /= np.linalg.norm(mixed, axis=-1, keepdims=True)
-        diff = max(diff, float(np.abs(mixed - onnx_rows).max()))
-    return diff
+    return float(np.abs(onnx_rows - torch_rows).max())
 
 
 def sampler_evaluations_flops(config: dict[str, Any], solver: str, steps: int) -> tuple[int, int]:
@@ -159,7 +158,9 @@ def sampler_config(model: Denoiser, config: ExportConfig) -> dict[str, Any]:
         "steps": config.steps, "evaluations": nfe, "form": config.form,
         "cfg_weight": config.cfg_weight, "cfg_formula": CFG_FORMULA,
         "sigma_min": mc.sigma_min, "sigma_max": mc.sigma_max, "sigma_data": mc.sigma_data,
-        "schedule": "EDM, rho=7, final sigma 0", "output": "unit-norm rows",
+        "schedule": "EDM, rho=7, final sigma 0",
+        "output": "weights over the context (rows: their mixture, unit-norm)"
+        if mc.reads_items else "unit-norm rows",
         # a mixture head's rows are mixtures of the context: they claim what they point at
         "claims": "pointers" if mc.reads_items else "cosine",
         "params": count_params(model), "preset": preset_name(model),

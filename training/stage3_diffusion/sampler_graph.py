@@ -105,6 +105,27 @@ def _loop(w: GraphWriter, step: onnx.ModelProto, heun: bool, sigmas: str, n: int
     return out
 
 
+def live_nodes(nodes: list[onnx.NodeProto], outputs: list[str]) -> list[onnx.NodeProto]:
+    """The nodes `outputs` depend on, in order: the last step's mixture and Euler update are
+    dead once the graph returns that step's weights alone."""
+    needed, kept = set(outputs), []
+    for node in reversed(nodes):
+        if any(name in needed for name in node.output):
+            kept.append(node)
+            needed.update(read_names(node))
+    return kept[::-1]
+
+
+def read_names(node: onnx.NodeProto) -> set[str]:
+    """The values a node reads: its inputs and, for a Loop, what its body reads."""
+    names = {name for name in node.input if name}
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            for inner in attribute.g.node:
+                names |= read_names(inner)
+    return names
+
+
 def step_context(step: onnx.ModelProto) -> tuple[int, int]:
     """(C, width) of the step graph's `context` input (B, C, d [+ P]); (0, 0) without one."""
     for value in step.graph.input:
@@ -127,9 +148,9 @@ def sampler_inputs(rows: int, dim: int, context: tuple[int, int]) -> list[onnx.V
 def compose_sampler(step: onnx.ModelProto, rows: int, dim: int, solver: str, steps: int,
                     sigma_min: float, sigma_max: float, form: str = "unrolled") -> onnx.ModelProto:
     """The whole solver as one graph: query (B,d) [, context (B,C,d) when the step graph takes
-    one], noise (B,L,d) → rows (B,L,d), unit-norm [, the last evaluation's weights (B,L,C)
-    when the step graph has them]. The last step (to σ = 0) is always unrolled: Heun's is
-    Euler's, and its weights are the graph's."""
+    one], noise (B,L,d) → rows (B,L,d), unit-norm, or for a mixture head (a step graph with
+    weights) the last evaluation's weights (B,L,C), whose mixture of the context the rows are.
+    The last step (to σ = 0) is always unrolled: Heun's is Euler's."""
     if form not in ("unrolled", "loop"):
         raise ValueError(f"form must be 'unrolled' or 'loop', got {form!r}")
     solver_evaluations(solver, steps)  # validates the solver name
@@ -151,16 +172,20 @@ def compose_sampler(step: onnx.ModelProto, rows: int, dim: int, solver: str, ste
     for sigma, sigma_next in pairs:
         x = emit_step(w, heun and sigma_next > 0, w.const(sigma), w.const(sigma_next), x,
                       "query", batch)
-    norm = w.op("Sqrt", [w.op("ReduceSum", [w.op("Mul", [x, x]), w.const([-1], np.int64)],
-                              keepdims=1)])
-    nodes.append(helper.make_node("Div", [x, w.op("Max", [norm, w.const(1e-12)])], ["rows"],
-                                  name="sampler.unit_rows"))
-    outputs = [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["batch", rows, dim])]
-    if w.weights is not None:
+    if w.weights is None:
+        norm = w.op("Sqrt", [w.op("ReduceSum", [w.op("Mul", [x, x]), w.const([-1], np.int64)],
+                                  keepdims=1)])
+        nodes.append(helper.make_node("Div", [x, w.op("Max", [norm, w.const(1e-12)])], ["rows"],
+                                      name="sampler.unit_rows"))
+        outputs = [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["batch", rows, dim])]
+    else:  # the rows are the weights' mixture of the context: the service mixes them
         nodes.append(helper.make_node("Identity", [w.weights], [WEIGHTS_OUTPUT],
                                       name="sampler.weights"))
-        outputs.append(helper.make_tensor_value_info(
-            WEIGHTS_OUTPUT, TensorProto.FLOAT, ["batch", rows, step_context(step)[0]]))
+        outputs = [helper.make_tensor_value_info(
+            WEIGHTS_OUTPUT, TensorProto.FLOAT, ["batch", rows, step_context(step)[0]])]
+        nodes[:] = live_nodes(nodes, [WEIGHTS_OUTPUT])
+        read = set().union(*map(read_names, nodes))
+        initializers = [init for init in initializers if init.name in read]
     graph = helper.make_graph(nodes, f"{solver}_{steps}_{form}",
                               sampler_inputs(rows, dim, step_context(step)), outputs,
                               initializer=initializers)

@@ -88,6 +88,8 @@ def test_a_mixture_head_returns_the_weights_its_rows_are(tmp_path, form):
                                    parts=("name",))
     sampler = DiffusionSampler(directory, threads=1)
     assert sampler.pointed and sampler.config["claims"] == "pointers"
+    # the graph returns the weights alone: the mixture and the last update are not in it
+    assert sampler.mixed and [o.name for o in sampler.session.get_outputs()] == ["weights"]
     queries = _queries(3)
     context = np.concatenate([np.stack([_queries(4) for _ in range(3)]),  # (3, 4, 128 + 1)
                               np.full((3, 4, 1), 0.5, np.float32)], axis=2)
