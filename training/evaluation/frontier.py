@@ -25,6 +25,7 @@ SPLITS = ("val", "test")
 ROUTES = (("single", ()), ("hybrid", ("lexical",)), ("ranked", ("ranker",)),
           ("diffusion", ("diffusion",)), ("folm", ("folm",)))
 SEEDED = ("diffusion", "folm")
+NO_SOLVER = "diffusion, no solver (its item scores, greedy spread; torch)"
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,15 @@ class Point:
 
 
 def points(bundle_dir: Path, others: list[tuple[str, Path]]) -> list[Point]:
-    """The bundle's routes that it has the stages for, then each other bundle's diffusion."""
+    """The bundle's routes that it has the stages for, what the solver adds where its student
+    scores items (`diffusion-scores`, from its stage-3 checkpoint), then each other bundle's
+    diffusion."""
     stages = read_manifest(bundle_dir).get("stages", {})
     found = [Point(name, bundle_dir, name) for name, needs in ROUTES
              if all(stage in stages for stage in needs)]
+    if "mention_words" in stages.get("diffusion", {}).get("sampler", {}) \
+            and (bundle_dir / "runs" / "diffusion" / "checkpoint.pt").is_file():
+        found.append(Point(NO_SOLVER, bundle_dir, "diffusion-scores"))
     return found + [Point(label, path, "diffusion") for label, path in others]
 
 
