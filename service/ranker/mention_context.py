@@ -6,6 +6,7 @@ the student, which then needs neither the ranker's model nor its candidate lists
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 from cachetools import LRUCache
 
 from service.artifacts.bundle import Bundle
+from service.artifacts.lexical import LexicalIndex
 from service.ranker.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
 from service.runtime.index import neighbour_rows
 
@@ -82,13 +84,11 @@ class MentionedNeighbourhood:
         self.lead = leading_mentions(self.n)
         # a query's mentions with their embeddings side by side: one contiguous product a
         # query, not a gather from the catalog (bounded by bytes, as the mention lists are)
+        # (a plain function: a bound method would make a cycle the served state must not hold)
         self._blocks = cachetools.cached(
             LRUCache(BLOCK_BYTES, getsizeof=lambda block: block[0].nbytes + block[1].nbytes),
-            lock=threading.Lock(), key=lambda ids: tuple(sorted(set(ids))))(self._block)
-
-    def _block(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        rows = self.features.lexical.holding(ids)
-        return rows, np.ascontiguousarray(self.features.embeddings[rows])  # (M,), (M, d)
+            lock=threading.Lock(), key=lambda ids: tuple(sorted(set(ids))))(
+            functools.partial(mention_block, features.lexical, features.embeddings))
 
     def leading(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
         """(Q, lead) int64: each query's nearest mentions, nearest first, -1 past its last."""
@@ -110,3 +110,10 @@ class MentionedNeighbourhood:
         kept = np.concatenate([lead >= 0, ~repeated], axis=1)  # (Q, lead + n)
         order = np.argsort(~kept, axis=1, kind="stable")[:, : self.n]  # kept first, in order
         return np.take_along_axis(np.concatenate([lead, nearest], axis=1), order, axis=1)
+
+
+def mention_block(lexical: LexicalIndex, embeddings: np.ndarray, ids: list[int]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The rows (M,) of the texts holding every token of `ids`, and their embeddings (M, d)."""
+    rows = lexical.holding(ids)
+    return rows, np.ascontiguousarray(embeddings[rows])

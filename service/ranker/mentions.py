@@ -155,8 +155,9 @@ class MentionFeatures:
             LRUCache(MENTION_BYTES, getsizeof=lambda rows: rows.nbytes), lock=threading.Lock(),
             key=lambda ids: tuple(sorted(set(ids))))(self.lexical.holding)
         # a query's tokens by its text, worked out once (a batch repeats popular queries)
-        self._query_tokens = cachetools.cached(LRUCache(QUERY_IDS_CACHED),
-                                               lock=threading.Lock())(self._held_tokens)
+        # (a plain function: a bound method would make a cycle the served state must not hold)
+        self._query_tokens = cachetools.cached(LRUCache(QUERY_IDS_CACHED), lock=threading.Lock())(
+            functools.partial(held_tokens, self.item_words, self.lexical))
 
     def mentions(self, text: str) -> np.ndarray:
         """The rows of the texts holding every searched word of the query `text`."""
@@ -224,11 +225,6 @@ class MentionFeatures:
     def _asked(self, texts: Sequence[str]) -> AskedTokens:
         return AskedTokens.of_held([self._query_tokens(t) for t in texts])
 
-    def _held_tokens(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """The query's tokens as ItemWords ids, and the distinct ones an item can hold."""
-        ids = self.item_words.ids(self.tokens(text))
-        return ids, np.unique(ids[ids >= 0])
-
     def _positions(self, batch: CandidateBatch, asked: AskedTokens) -> np.ndarray:
         """(N,) the first word of each row's description that is a word of its query, -1:
         none."""
@@ -291,6 +287,13 @@ class MentionFeatures:
         shared.words = words
         shared.__dict__.pop("_word_tables", None)  # the old words' ids
         return shared
+
+
+def held_tokens(item_words: ItemWords, lexical: LexicalIndex, text: str
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The query's tokens as ItemWords ids, and the distinct ones an item can hold."""
+    ids = item_words.ids(index_tokens(lexical, text, MAX_QUERY_WORDS))
+    return ids, np.unique(ids[ids >= 0])
 
 
 def index_tokens(lexical: LexicalIndex, text: str, limit: int | None = None) -> list[str]:
