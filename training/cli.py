@@ -199,6 +199,7 @@ def evaluate_methods(args: argparse.Namespace) -> None:
     from training.evaluation.baselines import BASELINES
     from training.evaluation.fanout import FANOUT_METHODS
     from training.evaluation.harness import (
+        DIAGNOSTIC_METHODS,
         METHODS,
         evaluate,
         paired_table,
@@ -212,7 +213,7 @@ def evaluate_methods(args: argparse.Namespace) -> None:
     if args.method == "all":  # the LLM's methods only where the bundle has one (r4t llm)
         has_llm = "llm" in require_stages(args.bundle, ("catalog",), "r4t eval")["stages"]
         names = [n for n in sorted(METHODS) if (n not in LLM_METHODS or has_llm)
-                 and n != "context-scorer"]  # a diagnostic of a stage-2 run: asked by name
+                 and n not in DIAGNOSTIC_METHODS]  # read training runs: asked by name
     require_methods(args.bundle, names, args.split)  # before any work: one line, exit 2
     index = args.index or Settings(bundle=args.bundle).index
     bundle = load_bundle(args.bundle, IndexChoice.parse(index))

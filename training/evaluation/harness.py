@@ -56,6 +56,9 @@ METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS, **LL
                                              "auto-ar": auto_ar, "diffusion-led": diffusion_led,
                                              "ar-led": ar_led, "context-scorer": context_scorer,
                                              "diffusion-scores": diffusion_scores}
+# diagnostics that read a training run (a stage-2 dataset, a stage-3 checkpoint), which a
+# bundle built from the shipped stages lacks: `--method all` leaves them out
+DIAGNOSTIC_METHODS = ("context-scorer", "diffusion-scores")
 AR_POLICY = ("folm", "folm-warmstart")  # the AR route serves either
 _PROMPTED = "lexical"  # the prompts' and the student's candidates are hybrid: they read it
 # the bundle stages each method reads besides the catalog (and the split's benchmark)

@@ -17,10 +17,14 @@ from training.evaluation.baselines import Method, MethodOutput, fanout_output
 
 
 def diffusion_scores(bundle: Bundle, k: int = 10, checkpoint: Path | None = None,
-                     redundancy: float = 1.0) -> Method:
+                     redundancy: float = 1.0, threads: int = 0) -> Method:
     """Eval factory: the bundle's stage-3 checkpoint (default: runs/diffusion) scoring the
-    context its exported sampler reads; `redundancy`: the spread's λ on those scores."""
+    context its exported sampler reads; `redundancy`: the spread's λ on those scores;
+    `threads`: torch's (0: its own choice)."""
     import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
 
     from training.stage3_diffusion.trainer import load_ema
 

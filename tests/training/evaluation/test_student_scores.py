@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from service.artifacts.bundle import load_bundle
+from service.command import main
 from service.errors import BundleError
 from service.routes.diffusion import DiffusionContext
 from service.runtime.encoder import Encoder
@@ -26,6 +27,8 @@ def student(small_bundle_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("student-scores")
     shutil.copytree(small_bundle_dir, root / "b")
     export_tiny_diffusion(root / "b", root / "run")
+    (root / "b" / "runs" / "diffusion").mkdir(parents=True)  # where `r4t train` leaves it
+    shutil.copy(root / "run" / "checkpoint.pt", root / "b" / "runs" / "diffusion")
     return root / "b", root / "run" / "checkpoint.pt"
 
 
@@ -52,3 +55,10 @@ def test_a_bundle_without_a_checkpoint_is_refused_with_the_command(student, tmp_
     bundle_dir, _ = student
     with pytest.raises(BundleError, match="r4t train diffusion"):
         diffusion_scores(load_bundle(bundle_dir), checkpoint=tmp_path / "none.pt")
+
+
+def test_r4t_eval_runs_it_by_name_from_the_bundle_s_checkpoint(student):
+    bundle_dir, _ = student
+    assert main(["--bundle", str(bundle_dir), "eval", "--split", "val", "--method",
+                 "diffusion-scores", "--threads", "1"]) == 0
+    assert (bundle_dir / "eval" / "diffusion-scores-val.json").is_file()
