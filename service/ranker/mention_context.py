@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cachetools
@@ -16,7 +16,6 @@ import numpy as np
 from cachetools import LRUCache
 
 from service.artifacts.bundle import Bundle
-from service.artifacts.lexical import LexicalIndex
 from service.ranker.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
 from service.runtime.index import neighbour_rows
 
@@ -88,7 +87,7 @@ class MentionedNeighbourhood:
         self._blocks = cachetools.cached(
             LRUCache(BLOCK_BYTES, getsizeof=lambda block: block[0].nbytes + block[1].nbytes),
             lock=threading.Lock(), key=lambda ids: tuple(sorted(set(ids))))(
-            functools.partial(mention_block, features.lexical, features.embeddings))
+            functools.partial(mention_block, features.holding, features.embeddings))
 
     def leading(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray:
         """(Q, lead) int64: each query's nearest mentions, nearest first, -1 past its last."""
@@ -112,8 +111,9 @@ class MentionedNeighbourhood:
         return np.take_along_axis(np.concatenate([lead, nearest], axis=1), order, axis=1)
 
 
-def mention_block(lexical: LexicalIndex, embeddings: np.ndarray, ids: list[int]
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """The rows (M,) of the texts holding every token of `ids`, and their embeddings (M, d)."""
-    rows = lexical.holding(ids)
+def mention_block(holding: Callable[[list[int]], np.ndarray], embeddings: np.ndarray,
+                  ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows (M,) of the texts holding every token of `ids` (the mention features' own
+    lookup, so a cold query's postings are intersected once), and their embeddings (M, d)."""
+    rows = holding(ids)
     return rows, np.ascontiguousarray(embeddings[rows])

@@ -161,7 +161,11 @@ class MentionFeatures:
 
     def mentions(self, text: str) -> np.ndarray:
         """The rows of the texts holding every searched word of the query `text`."""
-        return self._mentions(self.lexical.token_ids(text))
+        return self.holding(self.lexical.token_ids(text))
+
+    def holding(self, ids: list[int]) -> np.ndarray:
+        """The rows of the texts holding every token of `ids`, looked up once per token set."""
+        return self._mentions(ids)
 
     def candidates(self, texts: Sequence[str],
                    queries: np.ndarray) -> list[tuple[np.ndarray, int]]:

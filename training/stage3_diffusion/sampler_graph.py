@@ -107,7 +107,8 @@ def _loop(w: GraphWriter, step: onnx.ModelProto, heun: bool, sigmas: str, n: int
 
 def live_nodes(nodes: list[onnx.NodeProto], outputs: list[str]) -> list[onnx.NodeProto]:
     """The nodes `outputs` depend on, in order: the last step's mixture and Euler update are
-    dead once the graph returns that step's weights alone."""
+    dead once the graph returns that step's weights alone (onnx.utils.Extractor misses what a
+    Loop body reads from the outer graph)."""
     needed, kept = set(outputs), []
     for node in reversed(nodes):
         if any(name in needed for name in node.output):
