@@ -189,10 +189,44 @@ def claim_in_context(probes: np.ndarray, context_rows: np.ndarray, context: np.n
     each query's groundedness against them (Q,)."""
     cosines = probes @ context.transpose(0, 2, 1)  # (Q, L, C)
     scores = cosines if weights is None else weights
-    ranked, found = best_first(scores, context_rows, probe_depth(scores.shape[1], max(ks),
-                                                                 scores.shape[2]))
-    selections = [claim_round_robin(found[i], ranked[i], k) for i, k in enumerate(ks)]
-    return selections, np.clip(cosines.max(axis=2), 0.0, 1.0).mean(axis=1)  # (Q,)
+    selections: list[Selection | None] = list(claim_one_round(scores, context_rows, ks))
+    looped = [i for i, s in enumerate(selections) if s is None]
+    if looped:  # collisions past one round: the round-robin, as deep as it can reach
+        ranked, found = best_first(scores[looped], context_rows[looped],
+                                   probe_depth(scores.shape[1], max(ks), scores.shape[2]))
+        for j, i in enumerate(looped):
+            selections[i] = claim_round_robin(found[j], ranked[j], ks[i])
+    return ([s for s in selections if s is not None],
+            np.clip(cosines.max(axis=2), 0.0, 1.0).mean(axis=1))  # (Q,)
+
+
+def claim_one_round(scores: np.ndarray, rows: np.ndarray, ks: list[int]
+                    ) -> list[Selection | None]:
+    """The round-robin's claims where one round settles them (k ≤ L and ≤ C, the context's
+    rows valid and distinct: each probe, most confident first, takes its best item still
+    free), for the whole batch at once, probe by probe; None for a query it cannot settle.
+    scores (Q, L, C) over rows (Q, C). A loop per query was most of the claims' time."""
+    q, length, width = scores.shape
+    ordered = np.sort(rows, axis=1)  # (Q, C)
+    settled = (np.array(ks) <= min(length, width)) & (ordered[:, :1] >= 0).all(axis=1) \
+        & (ordered[:, 1:] != ordered[:, :-1]).all(axis=1)  # (Q,)
+    rounds = min(length, max(ks, default=0))
+    if not settled.any() or rounds == 0:
+        return [None] * q
+    order = np.argsort(-scores.max(axis=2), axis=1, kind="stable")  # (Q, L) confident first
+    free = np.ones((q, width), dtype=bool)  # (Q, C)
+    everyone = np.arange(q)
+    taken = np.empty((q, rounds), dtype=np.int64)  # (Q, rounds) context positions
+    best = np.empty((q, rounds), dtype=scores.dtype)
+    for turn in range(rounds):
+        mine = np.where(free, scores[everyone, order[:, turn]], -np.inf)  # (Q, C)
+        taken[:, turn] = mine.argmax(axis=1)
+        best[:, turn] = mine[everyone, taken[:, turn]]
+        free[everyone, taken[:, turn]] = False
+    claimed = np.take_along_axis(rows, taken, axis=1).tolist()
+    values, slots = best.tolist(), order[:, :rounds].tolist()
+    return [Selection(claimed[i][:k], values[i][:k], slots[i][:k]) if ok else None
+            for i, (k, ok) in enumerate(zip(ks, settled.tolist(), strict=True))]
 
 
 def best_first(scores: np.ndarray, rows: np.ndarray, depth: int

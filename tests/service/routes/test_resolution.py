@@ -222,3 +222,21 @@ def test_claims_read_only_as_deep_as_round_robin_can_reach():
             order = np.argsort(-weights[i], axis=1, kind="stable")  # the whole ranking
             full = claim_round_robin(rows[i][order], np.take_along_axis(weights[i], order, 1), k)
             assert claimed[i].rows == full.rows and claimed[i].slots == full.slots
+
+
+def test_one_round_claims_equal_the_round_robin_in_a_mixed_batch():
+    rng = np.random.default_rng(5)
+    q, probes, c, d = 12, 6, 20, 8
+    rows = np.stack([rng.permutation(1000)[:c] for _ in range(q)])  # (Q, C)
+    rows[3, 4] = -1  # a missing item: the loop's
+    rows[5, 9] = rows[5, 2]  # a repeated item: the loop's
+    context = normalize(rng.standard_normal((q, c, d)).astype(np.float32))
+    weights = rng.random((q, probes, c)).astype(np.float32)  # (Q, L, C)
+    weights[:, :, 2] += 1.0  # every probe wants one item: collisions in every query
+    ks = [1, 3, 6, 8, 6, 6, 2, 6, 4, 5, 6, 6]  # 8 > L: more than one round
+    claimed, _ = claim_in_context(context[:, :probes], rows, context, ks, weights)
+    for i in range(q):
+        order = np.argsort(-weights[i], axis=1, kind="stable")
+        full = claim_round_robin(rows[i][order], np.take_along_axis(weights[i], order, 1), ks[i])
+        assert claimed[i].rows == full.rows and claimed[i].slots == full.slots
+        assert claimed[i].scores == full.scores
