@@ -111,14 +111,15 @@ def test_a_vector_head_returns_no_weights(context_dir):
     assert sampler.draw(_queries(2), seed=0, context=context).weights is None
 
 
-def test_the_noise_is_standard_normal_and_the_seed_decides_it():
+def test_the_noise_is_standard_normal_and_the_seed_decides_it(diffusion_dir):
     from scipy import stats
 
-    from service.runtime.sampler import box_muller
-
-    noise = box_muller(np.random.default_rng(0), (64, 10, 127))  # an odd count of values
-    assert noise.shape == (64, 10, 127) and noise.dtype == np.float32
+    sampler = DiffusionSampler(diffusion_dir, threads=1)
+    noise = sampler.noise(64, seed=0)
+    assert noise.shape == (64, 10, 128) and noise.dtype == np.float32
     assert stats.kstest(noise.ravel(), "norm").pvalue > 0.01
-    assert np.array_equal(noise, box_muller(np.random.default_rng(0), (64, 10, 127)))
-    assert not np.allclose(noise, box_muller(np.random.default_rng(1), (64, 10, 127)))
-    assert box_muller(np.random.default_rng(0), (0, 10, 127)).shape == (0, 10, 127)
+    assert stats.kstest(noise[0].ravel(), "norm").pvalue > 0.01  # one query's block
+    assert np.array_equal(noise, sampler.noise(64, seed=0))
+    assert not np.allclose(noise, sampler.noise(64, seed=1))
+    assert not np.allclose(sampler.noise(64), sampler.noise(64))  # fresh without a seed
+    assert sampler.noise(0, seed=0).shape == (0, 10, 128)
