@@ -22,7 +22,8 @@ from service.runtime.index import neighbour_rows
 WORDS = 30  # words per side told apart (the ranker's default); one more slot for any other
 NUMERIC = ("similarity", "mentions", "mention_position", "early_mention", "log_name_fanin",
            "name_words", "name_holds_query", "head_match", "text_words", "rank")
-MENTION_WIDTH = len(NUMERIC) + 2 * (WORDS + 1)
+MENTION_WIDTH = len(NUMERIC) + 2 * (WORDS + 1)  # as a student trains on them: words one-hot
+COMPACT_WIDTH = len(NUMERIC) + 2  # as a served sampler reads them: each side's word id
 BLOCK_BYTES = 64 << 20  # the mention blocks kept (a batch's, and repeats), by their bytes
 
 
@@ -33,9 +34,10 @@ def leading_mentions(n: int) -> int:
     return 2 * n // 3
 
 
-def encode_mentions(table: np.ndarray, context: int) -> np.ndarray:
-    """(N, MENTION_WIDTH) float32 for feature rows (N, F) of queries' `context` nearest items
-    in order: counts on a log scale, each side's word one-hot."""
+def mention_columns(table: np.ndarray, context: int) -> np.ndarray:
+    """(N, COMPACT_WIDTH) float32 for feature rows (N, F) of queries' `context` nearest items
+    in order: the NUMERIC columns (counts on a log scale), then each side's word id (0..WORDS,
+    WORDS for any other word), as a served sampler reads them (its graph looks the ids up)."""
     column = {name: table[:, i] for i, name in enumerate(FEATURES)}
     rank = np.tile(np.arange(context, dtype=np.float32) / context, len(table) // context)
     numeric = [column["similarity"], column["mentions"],
@@ -43,18 +45,34 @@ def encode_mentions(table: np.ndarray, context: int) -> np.ndarray:
                column["early_mention"], column["log_name_fanin"] / 5,
                column["name_words"] / 5, column["name_holds_query"], column["head_match"],
                np.log1p(column["text_words"]) / 4, rank]
-    out = np.zeros((len(table), MENTION_WIDTH), dtype=np.float32)
+    out = np.empty((len(table), COMPACT_WIDTH), dtype=np.float32)
     for j, values in enumerate(numeric):
         out[:, j] = values
-    everyone = np.arange(len(table))
-    for side, name in enumerate(("word_before_mention", "word_after_mention")):  # one-hot
-        word = np.minimum(column[name].astype(np.int64), WORDS)
-        out[everyone, len(NUMERIC) + side * (WORDS + 1) + word] = 1.0
+    for side, name in enumerate(("word_before_mention", "word_after_mention")):
+        out[:, len(NUMERIC) + side] = np.minimum(column[name], WORDS)
     return out
 
 
+def one_hot(columns: np.ndarray) -> np.ndarray:
+    """(..., MENTION_WIDTH) the model's encoding of compact columns (..., COMPACT_WIDTH): the
+    numeric ones, then each side's word one-hot (what a student trains on)."""
+    flat = columns.reshape(-1, COMPACT_WIDTH)
+    out = np.zeros((len(flat), MENTION_WIDTH), dtype=np.float32)
+    out[:, : len(NUMERIC)] = flat[:, : len(NUMERIC)]
+    everyone = np.arange(len(flat))
+    for side in range(2):
+        word = flat[:, len(NUMERIC) + side].astype(np.int64)
+        out[everyone, len(NUMERIC) + side * (WORDS + 1) + word] = 1.0
+    return out.reshape(*columns.shape[:-1], MENTION_WIDTH)
+
+
+def encode_mentions(table: np.ndarray, context: int) -> np.ndarray:
+    """(N, MENTION_WIDTH) float32: `mention_columns` with each side's word one-hot."""
+    return one_hot(mention_columns(table, context))
+
+
 class MentionContext:
-    """The mention columns (B, C, MENTION_WIDTH) of each query's context rows (B, C)."""
+    """The compact mention columns (B, C, COMPACT_WIDTH) of each query's context rows (B, C)."""
 
     def __init__(self, bundle: Bundle, words: MentionWords,
                  shared: MentionFeatures | None = None) -> None:
@@ -69,7 +87,7 @@ class MentionContext:
         """`context`: the rows' embeddings (B, C, d), when the caller gathered them."""
         similarity = None if context is None else (context @ queries[:, :, None]).reshape(-1)
         table = self.features.table(texts, queries, [(r, 0) for r in rows], similarity)
-        return encode_mentions(table, rows.shape[1]).reshape(*rows.shape, MENTION_WIDTH)
+        return mention_columns(table, rows.shape[1]).reshape(*rows.shape, COMPACT_WIDTH)
 
 
 class MentionedNeighbourhood:

@@ -17,7 +17,7 @@ from service.artifacts.parts import ItemParts, context_features
 from service.errors import BundleError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.grounding import PromptNeighbourhood
-from service.ranker.mention_context import MentionContext, MentionedNeighbourhood
+from service.ranker.mention_context import MentionContext, MentionedNeighbourhood, one_hot
 from service.ranker.mentions import MentionWords
 from service.ranker.ranker import RankedNeighbourhood, ScoredCandidates
 from service.routes.answer import RouteAnswer, RouteQuery, StageClock, selection_notes, stamp
@@ -39,9 +39,11 @@ class Sampler(Protocol):
     providers: list[str]
     config: dict
     pointed: bool  # whether a draw holds its rows' weights over the context
+    items: np.ndarray | None  # a projected student's item table (M, h)
 
     def draw(self, query_emb: np.ndarray, seed: int | None = None,
-             noise: np.ndarray | None = None, context: np.ndarray | None = None) -> Draw: ...
+             noise: np.ndarray | None = None, context: np.ndarray | None = None,
+             embeddings: np.ndarray | None = None) -> Draw: ...
 
 
 CONTEXT_SOURCES = ("nearest", "prompt", "ranked", "mentioned")
@@ -56,8 +58,15 @@ class DiffusionContext:
     (`MentionedNeighbourhood`). `scored`: the bundle's ranker, when the assembly built it."""
 
     def __init__(self, bundle: Bundle, config: dict[str, Any],
-                 scored: ScoredCandidates | None = None) -> None:
+                 scored: ScoredCandidates | None = None, items: np.ndarray | None = None) -> None:
+        """`items`: a projected student's item table (M, h), whose rows its context leads
+        with in place of the items' embeddings."""
         self.bundle, self.n = bundle, int(config.get("context", 0))
+        if items is not None and len(items) != len(bundle.items.ids):
+            raise BundleError(f"the diffusion model's item table holds {len(items)} items, the "
+                              f"catalog {len(bundle.items.ids)}: re-export it (`r4t export "
+                              "diffusion`)")
+        self.items = items
         self.source = str(config.get("context_source", "nearest"))
         if self.source not in CONTEXT_SOURCES:
             raise BundleError(f"unknown diffusion context source {self.source!r}; "
@@ -118,11 +127,21 @@ class DiffusionContext:
 
     def features(self, context: np.ndarray, rows: np.ndarray, queries: np.ndarray,
                  texts: Sequence[str]) -> np.ndarray:
-        """(B, C, d [+ P] [+ M]) what the sampler reads of the context (B, C, d) of rows
-        (B, C) of queries `texts` (embeddings `queries`)."""
+        """(B, C, d [+ P] [+ M]) what the model reads of the context (B, C, d) of rows (B, C)
+        of queries `texts` (embeddings `queries`), as it was trained: mention words one-hot."""
+        mentions = None if self.mentions is None else one_hot(
+            self.mentions(texts, queries, rows, context))
+        return context_features(context, self.parts, rows, queries, mentions)
+
+    def served(self, context: np.ndarray, rows: np.ndarray, queries: np.ndarray,
+               texts: Sequence[str]) -> np.ndarray:
+        """What the exported sampler reads: `features`, or for a projected student its item
+        table's rows (B, C, h) [+ P] [+ the compact mention columns, words as ids]."""
+        if self.items is None:
+            return self.features(context, rows, queries, texts)
         mentions = None if self.mentions is None else self.mentions(texts, queries, rows,
                                                                      context)
-        return context_features(context, self.parts, rows, queries, mentions)
+        return context_features(self.items[rows], self.parts, rows, queries, mentions)
 
     def __call__(self, texts: Sequence[str], queries: np.ndarray) -> np.ndarray | None:
         """(B, C, d [+ P]) the sampler's context input, or None without a context."""
@@ -153,9 +172,11 @@ def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | Non
     if draws < 1:
         raise BundleError(f"diffusion.json: draws must be at least 1, got {draws}")
     if draws == 1:
-        return sampler.draw(queries, seed=seed, context=features)
-    repeated, repeated_context = repeat_draws(queries, features, draws)
-    drawn = sampler.draw(repeated, seed=seed, context=repeated_context)
+        return sampler.draw(queries, seed=seed, context=features, embeddings=context)
+    repeated, repeated_features = repeat_draws(queries, features, draws)
+    _, repeated_context = repeat_draws(queries, context, draws)
+    drawn = sampler.draw(repeated, seed=seed, context=repeated_features,
+                         embeddings=repeated_context)
     b, length = len(queries), drawn.rows.shape[1]  # (B·D, L, d), each query's draws adjacent
     if drawn.rows.shape[0] != b * draws:
         raise RuntimeError(f"sampler returned {drawn.rows.shape[0]} blocks for {b * draws}")
@@ -178,7 +199,8 @@ class DiffusionRoute(Route):
         """`scored`: the bundle's ranker, built once by the assembly (else loaded here when
         the context needs it)."""
         self.bundle, self.encoder, self.sampler, self.seed = bundle, encoder, sampler, seed
-        self.context = DiffusionContext(bundle, sampler.config, scored)
+        self.context = DiffusionContext(bundle, sampler.config, scored,
+                                        getattr(sampler, "items", None))
         # a mixture head's rows claim the items they point at (`claims` in diffusion.json)
         self.pointers = sampler.config.get("claims", "cosine") == "pointers"
         if self.pointers and not sampler.pointed:
@@ -206,8 +228,8 @@ class DiffusionRoute(Route):
         context = self.context.embeddings(context_rows)  # (B, C, d) or None
         features = None  # (B, C, d [+ P]): the sampler's context
         if context_rows is not None and context is not None:
-            features = self.context.features(context, context_rows, queries,
-                                             [q.text for q in batch])
+            features = self.context.served(context, context_rows, queries,
+                                           [q.text for q in batch])
             clock.lap("context")
         drawn = draw_rows(self.bundle.index, self.sampler, queries, self.seed, context, features)
         rows = np.asarray(drawn.rows, dtype=np.float32)

@@ -54,17 +54,19 @@ class FaultySampler:
         self.armed = True
 
     def sample(self, query_emb: np.ndarray, seed: int | None = None,
-               noise: np.ndarray | None = None, context: np.ndarray | None = None
-               ) -> np.ndarray:
-        return self.draw(query_emb, seed, noise, context).rows
+               noise: np.ndarray | None = None, context: np.ndarray | None = None,
+               embeddings: np.ndarray | None = None) -> np.ndarray:
+        return self.draw(query_emb, seed, noise, context, embeddings).rows
 
     def draw(self, query_emb: np.ndarray, seed: int | None = None,
-             noise: np.ndarray | None = None, context: np.ndarray | None = None) -> Draw:
+             noise: np.ndarray | None = None, context: np.ndarray | None = None,
+             embeddings: np.ndarray | None = None) -> Draw:
         with self._lock:
             fail = self.armed and self._random.random() < self.rate
         if fail:
             raise InjectedFaultError(f"injected fault (R4T_FAULT_DIFFUSION_RATE={self.rate})")
-        return self._sampler.draw(query_emb, seed=seed, noise=noise, context=context)
+        return self._sampler.draw(query_emb, seed=seed, noise=noise, context=context,
+                                  embeddings=embeddings)
 
     def __getattr__(self, name: str) -> Any:  # anything else the path reads (e.g. describe)
         return getattr(self._sampler, name)

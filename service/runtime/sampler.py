@@ -21,6 +21,9 @@ STEP_FILE = "step.onnx"
 CONTEXT_INPUT = "context"
 ROWS_OUTPUT = "rows"
 WEIGHTS_OUTPUT = "weights"  # a mixture head's (B, L, C): which context item each row is
+# a projected student's item table (M, h): each catalog item's embedding through the first
+# layer that reads it, computed at export, so the service gathers h numbers an item, not d
+ITEMS_FILE = "items.npy"
 NOISE_VALUES = 1 << 20  # the starting noise's table of standard normals (4 MB)
 
 
@@ -64,6 +67,9 @@ class DiffusionSampler:
         self.width = int(self.config.get("context_width",
                                          self.dim + len(self.config.get("parts", ()))))
         self.table = noise_table(self.rows * self.dim)  # (W, L·d)
+        items = self.config.get("items_file")
+        self.items: np.ndarray | None = None if items is None else load_items(
+            diffusion_dir / items)  # (M, h): the context's first h columns are its rows
 
     def noise(self, batch: int, seed: int | None = None) -> np.ndarray:
         """Standard-normal starting noise (B, L, d); the same seed gives the same noise."""
@@ -85,15 +91,18 @@ class DiffusionSampler:
         return {"query": query, CONTEXT_INPUT: np.ascontiguousarray(context, dtype=np.float32)}
 
     def sample(self, query_emb: np.ndarray, seed: int | None = None,
-               noise: np.ndarray | None = None,
-               context: np.ndarray | None = None) -> np.ndarray:
+               noise: np.ndarray | None = None, context: np.ndarray | None = None,
+               embeddings: np.ndarray | None = None) -> np.ndarray:
         """Generated rows (B, L, d), unit-norm, for query embeddings (B, d) and, when the model
-        has one, their context (B, C, d [+ P])."""
-        return self.draw(query_emb, seed, noise, context).rows
+        has one, their context (B, C, width) (`draw`)."""
+        return self.draw(query_emb, seed, noise, context, embeddings).rows
 
     def draw(self, query_emb: np.ndarray, seed: int | None = None,
-             noise: np.ndarray | None = None, context: np.ndarray | None = None) -> Draw:
-        """`sample`'s rows, with their weights over the context when the graph has them."""
+             noise: np.ndarray | None = None, context: np.ndarray | None = None,
+             embeddings: np.ndarray | None = None) -> Draw:
+        """`sample`'s rows, with their weights over the context when the graph has them. A
+        mixture head's rows mix the context items' `embeddings` (B, C, d): by default the
+        context's first d columns, which a projected student's context does not hold."""
         feeds = self.feeds(query_emb, context)
         batch = len(feeds["query"])
         if noise is None:
@@ -105,10 +114,25 @@ class DiffusionSampler:
         feeds["noise"] = np.ascontiguousarray(noise, dtype=np.float32)
         if self.mixed:
             [weights] = self.session.run([WEIGHTS_OUTPUT], feeds)  # (B, L, C)
-            return Draw(mixture_rows(weights, feeds[CONTEXT_INPUT][..., : self.dim]), weights)
+            if embeddings is None and self.items is not None:
+                raise ValueError("a projected student's rows mix its context's embeddings: "
+                                 "pass them")
+            mixed = feeds[CONTEXT_INPUT][..., : self.dim] if embeddings is None else embeddings
+            return Draw(mixture_rows(weights, mixed), weights)
         found = self.session.run([ROWS_OUTPUT, *([WEIGHTS_OUTPUT] if self.pointed else [])],
                                  feeds)
         return Draw(found[0], found[1] if self.pointed else None)
+
+
+def load_items(path: Path) -> np.ndarray:
+    """(M, h) float32 item table of a projected student (ITEMS_FILE)."""
+    if not path.is_file():
+        raise BundleError(f"{path} is missing: re-export the diffusion model (`r4t export "
+                          "diffusion`)")
+    items = np.load(path)
+    if items.ndim != 2 or items.dtype != np.float32:
+        raise BundleError(f"{path} holds {items.dtype} {items.shape}, not (M, h) float32")
+    return items
 
 
 def noise_table(block: int, size: int = NOISE_VALUES, seed: int = 0) -> np.ndarray:

@@ -287,10 +287,13 @@ class Denoiser(nn.Module):
         return c_skip[:, None, None] * x + c_out[:, None, None] * f  # (B, L, d)
 
     def context_logits(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
-                       keep: torch.Tensor | None, context: torch.Tensor) -> torch.Tensor:
-        """(B, L, C): which of the C context items each row is (trained by cross-entropy)."""
+                       keep: torch.Tensor | None, context: torch.Tensor | None,
+                       items: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L, C): which of the C context items each row is (trained by cross-entropy);
+        `items`: the context already read per item (B, C, h), as an export computes it."""
         _, _, c_in, c_noise = self.preconditioning(sigma)
-        items = self.item(context)  # (B, C, h): read once, for the memory and the keys
+        if items is None:
+            items = self.item(context)  # (B, C, h): read once, for the memory and the keys
         h = self.network(c_in[:, None, None] * x, c_noise, query, keep, context, items)
         keys = self.pointer(items) + self.rank[:, : self.config.hidden]  # (B, C, h)
         logits = h @ keys.transpose(1, 2) / math.sqrt(self.config.hidden)  # (B, L, C)
@@ -317,17 +320,19 @@ class Denoiser(nn.Module):
         return cond + cfg_weight * (cond - uncond)
 
     def guided_weights(self, x: torch.Tensor, sigma: torch.Tensor, query: torch.Tensor,
-                       cfg_weight: float, context: torch.Tensor) -> torch.Tensor:
+                       cfg_weight: float, context: torch.Tensor | None = None,
+                       items: torch.Tensor | None = None) -> torch.Tensor:
         """(B, L, C) the weights of a mixture head's `guided` D over its context items: D is
         weights @ context embeddings (guidance is linear in them), so they say which item
-        each row points at."""
+        each row points at. `items`: the context read per item, in place of `context`."""
         if cfg_weight == 0.0:
-            return torch.softmax(self.context_logits(x, sigma, query, None, context), -1)
+            return torch.softmax(self.context_logits(x, sigma, query, None, context, items), -1)
         b = x.shape[0]
         keep = torch.cat([torch.ones(b), torch.zeros(b)]).to(x)  # (2B,)
         logits = self.context_logits(torch.cat([x, x]), torch.cat([sigma, sigma]),
                                      torch.cat([query, query]), keep,
-                                     torch.cat([context, context]))  # (2B, L, C)
+                                     None if context is None else torch.cat([context, context]),
+                                     None if items is None else torch.cat([items, items]))
         both = torch.softmax(logits, -1)
         cond, uncond = both[:b], both[b:]
         return cond + cfg_weight * (cond - uncond)
@@ -365,13 +370,14 @@ class Denoiser(nn.Module):
         """Keys, values (B, H, C, Dh) and keep gate (B, 1, 1) from context (B, C, d [+ P])."""
         if self.config.context == 0:
             return None
-        width = self.config.context_width
-        if context is None or context.shape[1:] != (self.config.context, width):
-            got = None if context is None else tuple(context.shape)
-            raise ValueError(f"context must be (B, {self.config.context}, {width}), got {got}")
-        b, c, _ = context.shape
         if items is None:
+            width = self.config.context_width
+            if context is None or context.shape[1:] != (self.config.context, width):
+                got = None if context is None else tuple(context.shape)
+                raise ValueError(f"context must be (B, {self.config.context}, {width}), "
+                                 f"got {got}")
             items = self.item(context) if self.config.reads_items else context  # (B, C, h | d)
+        b, c, _ = items.shape
         kv = self.memory(items) + self.rank  # (B, C, 2·hidden)
         kv = kv.reshape(b, c, 2, self.config.heads, -1).permute(2, 0, 3, 1, 4)  # (2, B, H, C, Dh)
         return kv[0], kv[1], None if keep is None else keep[:, None, None]  # gate (B, 1, 1)

@@ -14,6 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 from service.runtime.sampler import CONTEXT_INPUT, WEIGHTS_OUTPUT
 from training.stage3_diffusion.solvers import sigma_schedule, solver_evaluations
 
+DENOISED_OUTPUT = "denoised"
+
 
 class GraphWriter:
     """Appends nodes, constants and renamed copies of the step graph to a node list."""
@@ -39,9 +41,10 @@ class GraphWriter:
         self.nodes.append(helper.make_node("Constant", [], [out], name=out, value=tensor))
         return out
 
-    def denoise(self, x: str, sigma_b: str, query: str) -> str:
+    def denoise(self, x: str, sigma_b: str, query: str) -> str | None:
         """Inline one copy of the step graph; returns the name of its `denoised` output (its
-        weights output, when it has one, in `self.weights`)."""
+        weights output, when it has one, in `self.weights`); None for a projected step, whose
+        one output is the weights."""
         copy = self.name("step") + "."
         bound = {"x": x, "sigma": sigma_b, "query": query}
         if step_context(self.step)[0]:
@@ -60,9 +63,9 @@ class GraphWriter:
             clone.input[:] = [rename(v) for v in node.input]
             clone.output[:] = [rename(v) for v in node.output]
             self.nodes.append(clone)
-        outputs = [rename(value.name) for value in self.step.graph.output]
-        self.weights = outputs[1] if len(outputs) > 1 else None
-        return outputs[0]
+        outputs = {value.name: rename(value.name) for value in self.step.graph.output}
+        self.weights = outputs.get(WEIGHTS_OUTPUT)
+        return outputs.get(DENOISED_OUTPUT)
 
 
 def emit_step(w: GraphWriter, heun: bool, sigma: str, sigma_next: str, x: str, query: str,
@@ -71,6 +74,8 @@ def emit_step(w: GraphWriter, heun: bool, sigma: str, sigma_next: str, x: str, q
     x + (σ' − σ)·(x − D(x; σ))/σ, plus Heun's correction with the slope at σ' when `heun`."""
     delta = w.op("Sub", [sigma_next, sigma])
     denoised = w.denoise(x, w.op("Expand", [sigma, batch]), query)  # (B, L, d)
+    if denoised is None:  # a projected step: its weights are the sampler's output
+        return x
     slope = w.op("Div", [w.op("Sub", [x, denoised]), sigma])
     x_euler = w.op("Add", [x, w.op("Mul", [slope, delta])])
     if not heun:
@@ -127,6 +132,10 @@ def read_names(node: onnx.NodeProto) -> set[str]:
     return names
 
 
+def step_outputs(step: onnx.ModelProto) -> list[str]:
+    return [value.name for value in step.graph.output]
+
+
 def step_context(step: onnx.ModelProto) -> tuple[int, int]:
     """(C, width) of the step graph's `context` input (B, C, d [+ P]); (0, 0) without one."""
     for value in step.graph.input:
@@ -154,7 +163,9 @@ def compose_sampler(step: onnx.ModelProto, rows: int, dim: int, solver: str, ste
     The last step (to σ = 0) is always unrolled: Heun's is Euler's."""
     if form not in ("unrolled", "loop"):
         raise ValueError(f"form must be 'unrolled' or 'loop', got {form!r}")
-    solver_evaluations(solver, steps)  # validates the solver name
+    if solver_evaluations(solver, steps) != 1 and DENOISED_OUTPUT not in step_outputs(step):
+        raise ValueError("a projected step returns its weights alone, and its mixture needs "
+                         "the context's embeddings: it samples in one evaluation only")
     schedule = sigma_schedule(steps, sigma_min, sigma_max)
     nodes: list[onnx.NodeProto] = []
     w = GraphWriter(step, nodes, "sampler.")

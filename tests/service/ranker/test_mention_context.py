@@ -8,6 +8,7 @@ import pytest
 
 from service.artifacts.bundle import load_bundle
 from service.ranker.mention_context import (
+    COMPACT_WIDTH,
     MENTION_WIDTH,
     NUMERIC,
     WORDS,
@@ -15,6 +16,8 @@ from service.ranker.mention_context import (
     MentionedNeighbourhood,
     encode_mentions,
     leading_mentions,
+    mention_columns,
+    one_hot,
 )
 from service.ranker.mentions import ABSENT_RANK, FEATURES, MentionFeatures, MentionWords
 from service.runtime.encoder import Encoder
@@ -48,9 +51,12 @@ def test_the_columns_are_the_ranker_s_features_of_the_query_s_nearest(bundle):
     queries = Encoder(bundle.encoder_config).encode(texts)
     rows = neighbour_rows(bundle.index, queries, 8)  # (3, 8)
     columns = MentionContext(bundle, words)(texts, queries, rows)
-    assert columns.shape == (3, 8, MENTION_WIDTH)
+    assert columns.shape == (3, 8, COMPACT_WIDTH)
     table = MentionFeatures(bundle, words=words).table(texts, queries, [(r, 0) for r in rows])
-    np.testing.assert_array_equal(columns.reshape(-1, MENTION_WIDTH), encode_mentions(table, 8))
+    np.testing.assert_array_equal(columns.reshape(-1, COMPACT_WIDTH), mention_columns(table, 8))
+    # the served ids, one-hot, are what the student trains on
+    np.testing.assert_array_equal(one_hot(columns).reshape(-1, MENTION_WIDTH),
+                                  encode_mentions(table, 8))
     named = columns[..., NUMERIC.index("mention_position")] < 1.0
     assert named[0].any() and not named[2].any()  # "tree" is named, a never-seen word is not
 

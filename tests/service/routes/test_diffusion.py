@@ -47,15 +47,15 @@ class TwoDraws:
     """A sampler stand-in with a weights output, run with draws = 2: each row points at the
     item its noise-free weights name, so which rows survive is known."""
 
-    pointed = True
+    pointed, items = True, None
 
-    def __init__(self, items: list[list[int]], context: int) -> None:
-        self.items, self.context = items, context  # per repeated query: each row's item
+    def __init__(self, pointing: list[list[int]], context: int) -> None:
+        self.pointing, self.context = pointing, context  # per repeated query: each row's item
         self.providers, self.config = ["test"], {"draws": 2}
 
-    def draw(self, query_emb, seed=None, noise=None, context=None) -> Draw:
-        weights = np.eye(self.context, dtype=np.float32)[np.array(self.items)]  # (B·D, L, C)
-        return Draw(weights @ context, weights)
+    def draw(self, query_emb, seed=None, noise=None, context=None, embeddings=None) -> Draw:
+        weights = np.eye(self.context, dtype=np.float32)[np.array(self.pointing)]  # (B·D, L, C)
+        return Draw(weights @ embeddings, weights)
 
 
 def test_a_second_draw_replaces_a_repeated_row_with_its_weights():
@@ -64,3 +64,27 @@ def test_a_second_draw_replaces_a_repeated_row_with_its_weights():
     drawn = draw_rows(None, sampler, np.zeros((1, 4), np.float32), 0, context)
     assert drawn.weights.argmax(axis=2).tolist() == [[0, 1, 2]]  # draw 2's first row fills in
     assert np.array_equal(drawn.rows, drawn.weights @ context)  # the rows kept are theirs
+
+
+def test_a_projected_student_reads_its_item_table_and_the_compact_columns(serving_bundle):
+    from service.artifacts.bundle import load_bundle
+    from service.ranker.mention_context import COMPACT_WIDTH, one_hot
+    from service.routes.diffusion import DiffusionContext
+    from service.runtime.encoder import Encoder
+    from service.runtime.sampler import DiffusionSampler
+
+    bundle = load_bundle(serving_bundle)
+    sampler = DiffusionSampler(serving_bundle / "diffusion", threads=1)
+    assert sampler.items is not None and len(sampler.items) == len(bundle.items.ids)
+    context = DiffusionContext(bundle, sampler.config, items=sampler.items)
+    texts = ["tree", "dog", "zzqx"]
+    queries = Encoder(bundle.encoder_config).encode(texts)
+    rows = context.rows(texts, queries)
+    embeddings = context.embeddings(rows)
+    served = context.served(embeddings, rows, queries, texts)  # what the graph reads
+    full = context.features(embeddings, rows, queries, texts)  # what the model trained on
+    h = sampler.items.shape[1]
+    assert served.shape == (*rows.shape, sampler.width) == (*rows.shape, h + COMPACT_WIDTH)
+    np.testing.assert_array_equal(served[..., :h], sampler.items[rows])
+    np.testing.assert_array_equal(full[..., : embeddings.shape[2]], embeddings)
+    np.testing.assert_array_equal(one_hot(served[..., h:]), full[..., embeddings.shape[2]:])

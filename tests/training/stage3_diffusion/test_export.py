@@ -1,6 +1,7 @@
 import json
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -108,3 +109,34 @@ def test_a_model_reading_item_parts_exports_with_parity(tmp_path):
                                    providers=["CPUExecutionProvider"])
     inputs = {i.name: i.shape for i in session.get_inputs()}
     assert inputs["context"][1:] == [4, 130]
+
+
+def test_a_student_sampled_in_one_evaluation_exports_projected_with_parity(tmp_path):
+    from training.stage3_diffusion.export import served_width, write_sampler
+
+    torch.set_num_threads(1)
+    model, _ = load_ema(tiny_checkpoint(tmp_path / "run", context=4, mentions=True,
+                                        context_source="mentioned", ordered=True))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    catalog = np.random.default_rng(0).standard_normal((50, 128)).astype(np.float32)
+    meta = write_sampler(model, ExportConfig(solver="euler", steps=1), tmp_path / "one",
+                         embeddings=catalog)
+    mc = model.config
+    assert meta["items_file"] == "items.npy" and meta["parity_max_abs_diff"] < 1e-3
+    assert meta["context_width"] == served_width(mc) < mc.context_width
+    items = np.load(tmp_path / "one" / "items.npy")
+    assert items.shape == (50, mc.hidden) and items.dtype == np.float32
+    session = ort.InferenceSession(str(tmp_path / "one" / "sampler.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    inputs = {i.name: i.shape for i in session.get_inputs()}
+    assert inputs["context"][1:] == [4, served_width(mc)]
+    with pytest.raises(ValueError, match="one evaluation"):  # its mixture needs embeddings
+        compose_sampler(onnx.load(str(tmp_path / "one" / "step.onnx")), mc.rows, mc.dim,
+                        "euler", 4, mc.sigma_min, mc.sigma_max)
+    # more evaluations: the full context, the rows mixed in the graph's steps
+    meta = write_sampler(model, ExportConfig(solver="euler", steps=2), tmp_path / "two",
+                         embeddings=catalog)
+    assert "items_file" not in meta and meta["context_width"] == mc.context_width
+    assert meta["parity_max_abs_diff"] < 1e-3 and not (tmp_path / "two" / "items.npy").exists()
