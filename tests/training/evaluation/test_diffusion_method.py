@@ -49,8 +49,8 @@ def _record(sampler):
     calls = []
     original = sampler.draw
 
-    def recording(query_emb, seed=None, noise=None, context=None):
-        drawn = original(query_emb, seed, noise, context)
+    def recording(query_emb, seed=None, noise=None, context=None, embeddings=None):
+        drawn = original(query_emb, seed, noise, context, embeddings)
         calls.append((drawn.rows, context))
         return drawn
 
