@@ -45,7 +45,7 @@ from service.settings import DEFAULT_BUNDLE, Settings
 
 BATCHES = (8, 16, 32, 64, 128, 256, 512, 1024)
 REPEATS = 3  # per batch size and path; the fastest run is reported
-PAIRS = 7  # alternating runs of this bundle's diffusion path and the baseline's, per batch size
+PAIRS = 7  # alternating runs of two paths (a route and single, or the baseline), per batch size
 PAPER_SECONDS = {8: (1.456, 0.090), 16: (1.518, 0.098), 32: (1.652, 0.157), 64: (1.852, 0.230),
                  128: (5.632, 0.527), 256: (11.448, 1.091), 512: (24.531, 2.141),
                  1024: (49.766, 3.930)}
@@ -191,6 +191,10 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
                   for name, path in paths.items()}
         clocks["trigger"] = {"decide": trigger_s(trigger, queries)}
         rows.append(_row(b, clocks, sampler.config, peak))
+        for name in ("diffusion", "ranked"):  # against single, robust to the machine's drift
+            if name in paths:
+                rows[-1][f"paired_{name}_vs_single"] = paired_ratio(paths[name], paths["single"],
+                                                                    queries, k)
         if "baseline" in paths:
             rows[-1]["paired_vs_baseline"] = paired_ratio(paths["diffusion"], paths["baseline"],
                                                           queries, k)
@@ -267,14 +271,18 @@ def markdown(report: dict) -> str:
         "reads) over the whole `single` path; bound / single: those plus the denoiser's FLOPs "
         "at the measured matmul peak, a lower bound on this model and context here",
         "- trigger / single: route=auto's fan-out decision for every query of the batch "
-        "(service/scheduling/trigger.py) over the whole `single` path on the same queries", "",
+        "(service/scheduling/trigger.py) over the whole `single` path on the same queries",
+        f"- paired: the median over {PAIRS} alternating runs of the route's time over "
+        "`single`'s, which holds while the machine's speed drifts (the fastest runs above "
+        "may come from different moments)", "",
         "| batch | AR (s) | diffusion (s) | single (s) | ranked (s) | speedup | "
-        "diffusion / single | ranked / single | "
+        "diffusion / single | ranked / single | diffusion / single (paired) | "
+        "ranked / single (paired) | "
         "inputs / single | bound / single | trigger / single | AR decode | AR encode+search | "
         "diff. encode | diff. context | diff. solver | diff. search | AR tokens/query | "
         "solver GFLOP/s (share of peak) | paper AR / diff. (s) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-        "---:|---:|",
+        "---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         a, d = r["ar_stages_s"], r["diffusion_stages_s"]
@@ -282,6 +290,8 @@ def markdown(report: dict) -> str:
             f"| {r['batch']} | {r['ar_s']:.3f} | {r['diffusion_s']:.3f} | {r['single_s']:.4f} | "
             f"{_seconds(r.get('ranked_s'))} | {r['speedup']:.1f}x | "
             f"{r['diffusion_vs_single']:.1f}x | {_ratio(r.get('ranked_vs_single'))} | "
+            f"{_ratio(r.get('paired_diffusion_vs_single'))} | "
+            f"{_ratio(r.get('paired_ranked_vs_single'))} | "
             f"{r['inputs_vs_single']:.1f}x | {r['bound_vs_single']:.1f}x | "
             f"{r['trigger_vs_single']:.3f}x | {a['decode']:.3f} | "
             f"{a['encode'] + a.get('context', 0.0) + a['search']:.3f} | {d['encode']:.3f} | "
