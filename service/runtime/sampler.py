@@ -138,8 +138,8 @@ def load_items(path: Path) -> np.ndarray:
 def noise_table(block: int, size: int = NOISE_VALUES, seed: int = 0) -> np.ndarray:
     """(W, block) windows over one table of standard normals drawn once, at load: a query's
     starting noise is the window at a random offset, i.i.d. standard normal within it (two
-    queries' windows may overlap, which neither answer can tell), read in a tenth of the
-    time it takes to draw a batch's noise anew."""
+    queries' windows may overlap, which neither answer can tell): a gather, not a draw of a
+    batch's noise anew."""
     values = np.random.default_rng(seed).standard_normal(max(size, 2 * block), dtype=np.float32)
     return np.lib.stride_tricks.sliding_window_view(values, block)
 

@@ -244,14 +244,16 @@ def sampler_evaluations_flops(config: dict[str, Any], solver: str, steps: int) -
                                                  cfg=guided)
 
 
-def sampler_config(model: Denoiser, config: ExportConfig) -> dict[str, Any]:
+def sampler_config(model: Denoiser, config: ExportConfig,
+                   projected: bool = False) -> dict[str, Any]:
     """The serving side's `diffusion.json` (everything but the training ledger)."""
     mc = model.config
     nfe = solver_evaluations(config.solver, config.steps)
     return {
         "rows": mc.rows, "k": mc.k, "dim": mc.dim, "context": mc.context,
         "context_source": mc.context_source, "candidates": mc.candidates,
-        "parts": list(mc.parts), "context_width": mc.context_width, "solver": config.solver,
+        "parts": list(mc.parts), "solver": config.solver,
+        "context_width": served_width(mc) if projected else mc.context_width,
         "steps": config.steps, "evaluations": nfe, "form": config.form,
         "cfg_weight": config.cfg_weight, "cfg_formula": CFG_FORMULA,
         "sigma_min": mc.sigma_min, "sigma_max": mc.sigma_max, "sigma_data": mc.sigma_data,
@@ -264,8 +266,7 @@ def sampler_config(model: Denoiser, config: ExportConfig) -> dict[str, Any]:
         "draws": config.draws,
         "flops_per_query": config.draws * nfe * flops_per_step(mc, cfg=config.cfg_weight != 0),
         "sampler_file": "sampler.onnx", "step_file": "step.onnx", "model": mc.to_dict(),
-        **({"items_file": ITEMS_FILE, "context_width": served_width(mc)}
-           if projects(model, config) else {}),
+        **({"items_file": ITEMS_FILE} if projected else {}),
     }
 
 
@@ -286,12 +287,10 @@ def write_sampler(model: Denoiser, config: ExportConfig, out_dir: Path,
     diff = parity(model, sampler, config, projected)
     if not diff < 1e-3:
         raise RuntimeError(f"ONNX sampler differs from PyTorch by {diff:.2e} (limit 1e-3)")
-    meta = {**sampler_config(model, config), **(served or {}), "parity_max_abs_diff": diff}
+    meta = {**sampler_config(model, config, projected), **(served or {}),
+            "parity_max_abs_diff": diff}
     if projected and embeddings is not None:
         np.save(out_dir / ITEMS_FILE, item_table(model, embeddings))
-    else:
-        meta.pop("items_file", None)
-        meta["context_width"] = mc.context_width
     (out_dir / "diffusion.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
