@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from service.artifacts.bundle import Bundle
+from service.errors import InputError
 from service.routes.diffusion import DiffusionRoute
 from service.runtime.encoder import Encoder
 from service.runtime.sampler import (
@@ -36,13 +37,21 @@ def composed_sampler_dir(diffusion_dir: Path, solver: str, steps: int, form: str
 
     from training.stage3_diffusion.export import sampler_evaluations_flops
     from training.stage3_diffusion.sampler_graph import compose_sampler
+    from training.stage3_diffusion.solvers import solver_evaluations
 
     config = read_config(diffusion_dir)
+    items = config.get("items_file")  # a projected export: one evaluation, its item table
+    if items is not None and solver_evaluations(solver, steps) != 1:
+        raise InputError("this student is exported projected, for one evaluation: re-export "
+                         f"it for {solver} × {steps} (`r4t export diffusion --solver {solver} "
+                         f"--steps {steps}`) to measure that schedule")
     step = onnx.load(str(diffusion_dir / STEP_FILE))
     graph = compose_sampler(step, config["rows"], config["dim"], solver, steps,
                             config["sigma_min"], config["sigma_max"], form)
     out = Path(tempfile.mkdtemp(prefix="r4t-sampler-"))
     onnx.save(graph, str(out / SAMPLER_FILE))
+    if items is not None:
+        shutil.copyfile(diffusion_dir / items, out / items)
     nfe, flops = sampler_evaluations_flops(config, solver, steps)
     config.update(solver=solver, steps=steps, form=form, evaluations=nfe,
                   flops_per_query=flops, sampler_file=SAMPLER_FILE)

@@ -263,3 +263,20 @@ def test_trigger_curve_runs_from_no_fanout_to_all(bundle):
                 p["gain"] + p["harm"])
     assert curve["points"][-1]["coverage@10"] == {"gain": 0.0, "harm": 0.0, "net": 0.0}
     assert curve["best_threshold"] in [p["threshold"] for p in curve["points"]]
+
+
+def test_a_projected_export_takes_another_one_evaluation_schedule_and_refuses_more(
+        small_bundle_dir, tmp_path):
+    from service.runtime.sampler import read_config
+    from tests.service.bundles import export_tiny_diffusion
+    from training.evaluation.diffusion_method import open_sampler
+
+    directory = tmp_path / "b"
+    shutil.copytree(small_bundle_dir, directory)
+    export_tiny_diffusion(directory, tmp_path / "run")  # the default's shape: projected
+    projected = load_bundle(directory)
+    assert read_config(directory / "diffusion")["items_file"] == "items.npy"
+    sampler = open_sampler(projected, steps=1, solver="heun")  # Heun's one step is Euler's
+    assert sampler.items is not None and sampler.config["solver"] == "heun"
+    with pytest.raises(InputError, match="exported projected"):
+        open_sampler(projected, steps=2, solver="euler")
