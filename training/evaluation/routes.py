@@ -5,10 +5,10 @@ The last stage of `r4t bundle`: each fan-out route the bundle has (diffusion, ra
 and `single` run through the harness on val. Among the fan-out routes whose recall@5k is not
 below single's by more than `tie_se` paired standard errors (a few val queries' noise must not
 hand a catalog to `single`), those within `tie_se` paired se of the best coverage@10 are tied,
-and the cheapest (this process's CPU per answer, measured in the same run) becomes the
-default arm (single when none keeps its recall), beside the AR arm's share when the bundle has
-an AR policy. The table and the weights land in `routes.json`, which the service reads when
-R4T_ROUTES is unset.
+and the cheapest (this process's CPU per answer, for tied routes the median of `rounds`
+interleaved passes in the same run) becomes the default arm (single when none keeps its
+recall), beside the AR arm's share when the bundle has an AR policy. The table and the
+weights land in `routes.json`, which the service reads when R4T_ROUTES is unset.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class RoutesConfig:
     ar_share: float = 0.1  # the AR arm's weight beside the winner, when the bundle has one
     candidates: tuple[str, ...] = FANOUT_ROUTES  # the fan-out routes measured, when built
     tie_se: float = 2.0  # routes closer than this many paired se to the best are tied
+    # passes over the split, route after route, of the routes tied on quality: their price is
+    # the median CPU per answer (one pass on a small machine let its drift decide a tie)
+    rounds: int = 3
 
 
 COST = "cpu_ms_per_query"  # the harness's CPU per answer: the price ties are broken by
@@ -57,18 +60,25 @@ def routes_stage_config(config: RoutesConfig = RoutesConfig()) -> dict[str, Any]
 
 
 def choose(table: dict[str, dict[str, Any]], config: RoutesConfig) -> str:
-    """The cheapest fan-out route tied with the best by `config.metric` (within `tie_se`
-    paired se, where the rows hold per-query values), among those whose recall@5k is at
-    least single's or within `tie_se` paired se of it."""
+    """The cheapest of the `contenders` (single when there are none)."""
+    tied = contenders(table, config)
+    if not tied:
+        return "single"
+    return min(tied, key=lambda r: (table[r].get(COST, 0.0), FANOUT_ROUTES.index(r)))
+
+
+def contenders(table: dict[str, dict[str, Any]], config: RoutesConfig) -> list[str]:
+    """The fan-out routes tied with the best by `config.metric` (within `tie_se` paired se,
+    where the rows hold per-query values), among those whose recall@5k is at least single's
+    or within `tie_se` paired se of it: their prices decide."""
     single = table["single"]
     fair = [r for r in FANOUT_ROUTES if r in table and (
         table[r]["recall@5k"] >= single["recall@5k"]
         or _tied(single, table[r], config.tie_se, PER_QUERY_RECALL))]
     if not fair:
-        return "single"
+        return []
     best = max(fair, key=lambda r: table[r][config.metric])
-    tied = [r for r in fair if r == best or _tied(table[best], table[r], config.tie_se)]
-    return min(tied, key=lambda r: (table[r].get(COST, 0.0), FANOUT_ROUTES.index(r)))
+    return [r for r in fair if r == best or _tied(table[best], table[r], config.tie_se)]
 
 
 def _tied(best: dict[str, Any], other: dict[str, Any], tie_se: float,
@@ -79,6 +89,17 @@ def _tied(best: dict[str, Any], other: dict[str, Any], tie_se: float,
         return False
     diff = np.asarray(best[values], dtype=float) - np.asarray(other[values], dtype=float)
     return float(diff.mean()) <= tie_se * standard_error(diff)
+
+
+def measured(report: dict[str, Any], config: RoutesConfig) -> dict[str, Any]:
+    """A route's row of the routes table from its harness report."""
+    metrics = report["metrics"]
+    row: dict[str, Any] = {m: float(metrics[m]) for m in ("coverage@10", "recall@5k",
+                                                         "precision@10", "latency_ms_per_query")}
+    row[COST] = float(report["diagnostics"][COST])
+    row[PER_QUERY] = report["diagnostics"]["per_query"][config.metric]
+    row[PER_QUERY_RECALL] = report["diagnostics"]["per_query"]["recall@5k"]
+    return row
 
 
 def weights(best: str, has_ar: bool, config: RoutesConfig) -> str:
@@ -96,15 +117,15 @@ def select_routes(bundle_dir: Path, config: RoutesConfig = RoutesConfig()) -> di
     stages = manifest.get("stages", {})
     routes = [r for r in FANOUT_ROUTES if ROUTE_STAGES[r] in stages] + ["single"]
     bundle = load_bundle(bundle_dir)
-    table = {}
-    for route in routes:
-        report = evaluate(bundle, route, config.split, seeds=config.seeds)
-        metrics = report["metrics"]
-        table[route] = {m: float(metrics[m]) for m in ("coverage@10", "recall@5k",
-                                                      "precision@10", "latency_ms_per_query")}
-        table[route][COST] = float(report["diagnostics"][COST])
-        table[route][PER_QUERY] = report["diagnostics"]["per_query"][config.metric]
-        table[route][PER_QUERY_RECALL] = report["diagnostics"]["per_query"]["recall@5k"]
+    table = {route: measured(evaluate(bundle, route, config.split, seeds=config.seeds), config)
+             for route in routes}
+    tied = contenders(table, config)
+    costs = {route: [table[route][COST]] for route in tied}
+    for _ in range(config.rounds - 1 if len(tied) > 1 else 0):  # interleaved: a drift of the
+        for route in tied:  # machine hits each
+            costs[route].append(float(evaluate(bundle, route, config.split)["diagnostics"][COST]))
+    for route in tied:
+        table[route][COST] = float(np.median(costs[route]))
     best = choose(table, config)
     served = weights(best, any(p in stages for p in AR_POLICIES), config)
     print(f"routes on {config.split}: " + ", ".join(

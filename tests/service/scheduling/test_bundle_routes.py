@@ -96,3 +96,36 @@ def test_the_measured_choice_is_served_and_r4t_routes_overrides_it(serving_bundl
             live.client() as client:
         routing = client.get("/v1/info").json()["served"]["routing"]
         assert (routing["weights_from"], routing["weights"]) == ("R4T_ROUTES", {"single": 1.0})
+
+
+def test_a_tie_goes_to_the_cheaper_route_by_its_median_price_over_interleaved_passes(
+        serving_bundle, tmp_path, monkeypatch):
+    import training.evaluation.routes as routes
+
+    # one pass each: ranked looks cheaper only in diffusion's first, disturbed pass
+    prices = {"diffusion": [50.0, 30.0, 31.0], "ranked": [40.0, 44.0, 45.0],
+              "hybrid": [35.0, 36.0, 37.0], "single": [5.0, 5.0, 5.0]}
+    quality = {"diffusion": 0.30, "ranked": 0.31, "hybrid": 0.10, "single": 0.05}
+    calls: list[str] = []
+
+    def evaluate(bundle, route, split, seeds=1):
+        calls.append(route)
+        swing = 0.2 * (-1) ** np.arange(20) if route == "diffusion" else np.zeros(20)
+        per_query = (quality[route] + swing).tolist()  # diffusion: tied with ranked, noisily
+        return {"metrics": {"coverage@10": quality[route], "recall@5k": 0.6,
+                            "precision@10": 0.1, "latency_ms_per_query": 1.0},
+                "diagnostics": {routes.COST: prices[route][calls.count(route) - 1],
+                                "per_query": {"coverage@10": per_query,
+                                              "recall@5k": [0.6] * 20}}}
+
+    monkeypatch.setattr(routes, "evaluate", evaluate)
+    bundle = tmp_path / "priced"
+    shutil.copytree(serving_bundle, bundle)
+    select_routes(bundle)
+    table = json.loads((bundle / ROUTES_FILE).read_text())["table"]
+    assert {r: table[r][routes.COST] for r in prices} == {  # hybrid and single: one pass
+        "diffusion": 31.0, "ranked": 44.0, "hybrid": 35.0, "single": 5.0}
+    # every route once, then the two tied on quality again, interleaved
+    assert calls == ["diffusion", "ranked", "hybrid", "single"] + ["diffusion", "ranked"] * 2
+    # tied on quality, the cheaper by the median serves (one pass would have served ranked)
+    assert read_manifest(bundle)["stages"]["routes"]["weights"].startswith("diffusion=")
