@@ -6,9 +6,10 @@ and `single` run through the harness on val. Among the fan-out routes whose reca
 below single's by more than `tie_se` paired standard errors (a few val queries' noise must not
 hand a catalog to `single`), those within `tie_se` paired se of the best coverage@10 are tied,
 and the cheapest (this process's CPU per answer, for tied routes the median of `rounds`
-interleaved passes in the same run) becomes the default arm (single when none keeps its
-recall), beside the AR arm's share when the bundle has an AR policy. The table and the
-weights land in `routes.json`, which the service reads when R4T_ROUTES is unset.
+interleaved passes on the served index in the same run) becomes the default arm (single
+when none keeps its recall), beside the AR arm's share when the bundle has an AR policy. The
+table and the weights land in `routes.json`, which the service reads when R4T_ROUTES is
+unset.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from service.artifacts.bundle import (
 )
 from service.artifacts.stages import ROUTE_STAGES, ROUTES_FILE
 from service.routes import ROUTE_ORDER
+from service.runtime.index import IndexChoice
+from service.settings import Settings
 from training.data.metrics import standard_error
 from training.evaluation.harness import evaluate
 
@@ -45,8 +48,9 @@ class RoutesConfig:
     ar_share: float = 0.1  # the AR arm's weight beside the winner, when the bundle has one
     candidates: tuple[str, ...] = FANOUT_ROUTES  # the fan-out routes measured, when built
     tie_se: float = 2.0  # routes closer than this many paired se to the best are tied
-    # passes over the split, route after route, of the routes tied on quality: their price is
-    # the median CPU per answer (one pass on a small machine let its drift decide a tie)
+    # passes over the split, route after route, of the routes tied on quality, on the index the
+    # service searches: their price is the median CPU per answer (one pass on the exact index
+    # let the machine's drift decide a tie)
     rounds: int = 3
 
 
@@ -91,6 +95,19 @@ def _tied(best: dict[str, Any], other: dict[str, Any], tie_se: float,
     return float(diff.mean()) <= tie_se * standard_error(diff)
 
 
+def price(bundle_dir: Path, tied: list[str], config: RoutesConfig
+          ) -> tuple[str, dict[str, float]]:
+    """The index the service searches (R4T_INDEX), and on it each tied route's median CPU per
+    answer over `rounds` passes, route after route (a drift of the machine hits each)."""
+    choice = IndexChoice.parse(Settings(bundle=bundle_dir).index)
+    served = load_bundle(bundle_dir, choice)
+    costs: dict[str, list[float]] = {route: [] for route in tied}
+    for _ in range(config.rounds):
+        for route in tied:
+            costs[route].append(float(evaluate(served, route, config.split)["diagnostics"][COST]))
+    return choice.name, {route: float(np.median(values)) for route, values in costs.items()}
+
+
 def measured(report: dict[str, Any], config: RoutesConfig) -> dict[str, Any]:
     """A route's row of the routes table from its harness report."""
     metrics = report["metrics"]
@@ -120,18 +137,17 @@ def select_routes(bundle_dir: Path, config: RoutesConfig = RoutesConfig()) -> di
     table = {route: measured(evaluate(bundle, route, config.split, seeds=config.seeds), config)
              for route in routes}
     tied = contenders(table, config)
-    costs = {route: [table[route][COST]] for route in tied}
-    for _ in range(config.rounds - 1 if len(tied) > 1 else 0):  # interleaved: a drift of the
-        for route in tied:  # machine hits each
-            costs[route].append(float(evaluate(bundle, route, config.split)["diagnostics"][COST]))
-    for route in tied:
-        table[route][COST] = float(np.median(costs[route]))
+    priced = price(bundle_dir, tied, config) if len(tied) > 1 else None
+    for route in tied if priced else ():
+        table[route][COST] = priced[1][route]
     best = choose(table, config)
     served = weights(best, any(p in stages for p in AR_POLICIES), config)
     print(f"routes on {config.split}: " + ", ".join(
         f"{r} {row['coverage@10']:.3f} coverage@10 / {row['recall@5k']:.3f} recall@5k / "
         f"{row[COST]:.2f} ms"
-        for r, row in table.items()) + f"\nroutes: serving {served} (R4T_ROUTES overrides)",
+        for r, row in table.items())
+        + ("" if priced is None else f" (the tied priced on {priced[0]})")
+        + f"\nroutes: serving {served} (R4T_ROUTES overrides)",
         flush=True)
     key = routes_stage_config(config)
     record: dict[str, Any] = {"config": key, "config_hash": config_hash(key), "weights": served}

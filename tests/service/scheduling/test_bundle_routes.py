@@ -11,6 +11,7 @@ import pytest
 
 from service.artifacts.bundle import read_manifest
 from service.artifacts.stages import ROUTES_FILE
+from service.settings import Settings
 from tests.service.live import live_server
 from training.evaluation.routes import RoutesConfig, choose, select_routes, weights
 
@@ -102,14 +103,17 @@ def test_a_tie_goes_to_the_cheaper_route_by_its_median_price_over_interleaved_pa
         serving_bundle, tmp_path, monkeypatch):
     import training.evaluation.routes as routes
 
-    # one pass each: ranked looks cheaper only in diffusion's first, disturbed pass
-    prices = {"diffusion": [50.0, 30.0, 31.0], "ranked": [40.0, 44.0, 45.0],
-              "hybrid": [35.0, 36.0, 37.0], "single": [5.0, 5.0, 5.0]}
+    # the quality pass (exact index), then the served index: ranked looks cheaper only in
+    # diffusion's first, disturbed pass there
+    prices = {"diffusion": [99.0, 50.0, 30.0, 31.0], "ranked": [10.0, 40.0, 44.0, 45.0],
+              "hybrid": [35.0], "single": [5.0]}
     quality = {"diffusion": 0.30, "ranked": 0.31, "hybrid": 0.10, "single": 0.05}
     calls: list[str] = []
+    indexes: list = []
 
     def evaluate(bundle, route, split, seeds=1):
         calls.append(route)
+        indexes.append(bundle.index.describe()["choice"])
         swing = 0.2 * (-1) ** np.arange(20) if route == "diffusion" else np.zeros(20)
         per_query = (quality[route] + swing).tolist()  # diffusion: tied with ranked, noisily
         return {"metrics": {"coverage@10": quality[route], "recall@5k": 0.6,
@@ -125,7 +129,9 @@ def test_a_tie_goes_to_the_cheaper_route_by_its_median_price_over_interleaved_pa
     table = json.loads((bundle / ROUTES_FILE).read_text())["table"]
     assert {r: table[r][routes.COST] for r in prices} == {  # hybrid and single: one pass
         "diffusion": 31.0, "ranked": 44.0, "hybrid": 35.0, "single": 5.0}
-    # every route once, then the two tied on quality again, interleaved
-    assert calls == ["diffusion", "ranked", "hybrid", "single"] + ["diffusion", "ranked"] * 2
+    # every route once, then the two tied on quality three times, interleaved
+    assert calls == ["diffusion", "ranked", "hybrid", "single"] + ["diffusion", "ranked"] * 3
+    assert indexes[:4] == ["bundle"] * 4  # quality on the exact index
+    assert indexes[4:] == [Settings(bundle=bundle).index] * 6  # prices on the served one
     # tied on quality, the cheaper by the median serves (one pass would have served ranked)
     assert read_manifest(bundle)["stages"]["routes"]["weights"].startswith("diffusion=")
