@@ -1,16 +1,10 @@
 """The stage-3 denoiser D(x; σ, q): EDM preconditioning around a conditional transformer over
 a block of L item-embedding rows, with classifier-free guidance; the one module training, the
-samplers and the ONNX export call.
-
-The network is conditioned on the query and the noise level by adaLN-Zero (DiT). Rows are a set
-unless `ordered` (row i then learns one slot of the block). With a context (C > 0) the rows
-cross-attend to C catalog items, best first (`context_source` says which: docs/design.md, "The
-student's context"). With item features (`parts` or `mentions`) an MLP reads each context item
-and D is a mixture of the context items, softmax(logits)·context (CDCD's score interpolation,
-Dieleman et al. 2022), trained by cross-entropy on which item each row is; with `mentions` each
-item also adds a score to every row's logits, trained toward the ranker's scores. With L > k
-training fills the extra rows with copies of the block's items, and serving keeps the k rows
-that resolve most confidently.
+samplers and the ONNX export call. Conditioning is adaLN-Zero (DiT); rows are a set unless
+`ordered`. With a context (C > 0) the rows cross-attend to C catalog items (docs/design.md,
+"The student's context"); with item features (`parts`, `mentions`) an MLP reads each item and
+D is softmax(logits)·context (CDCD's score interpolation), trained by cross-entropy on which
+item each row is, with `mentions` plus a per-item score trained toward the ranker's.
 """
 
 from __future__ import annotations

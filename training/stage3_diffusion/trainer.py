@@ -1,14 +1,10 @@
 """Training the stage-3 denoiser on the stage-2 dataset (query embedding → block of k items).
 
-Denoising score matching on `Denoiser`'s output with EDM's loss weighting and log-normal noise
-levels, AdamW, EMA weights, linear warm-up then cosine decay, and condition dropout for
-classifier-free guidance. A denoiser with a context also gets, per block, C catalog items: its
-query's nearest, or those its teacher's prompt named (`context_source`; context.py's
-`block_neighbourhood`, the same lookup the service makes). Checkpoints land in
-`models/<bundle>/runs/diffusion/` and a run resumes from its checkpoint when its config
-matches. Outputs next to the checkpoint: `loss.json` (curve + ledger), `loss_curve.png`. It
-trains on CUDA when torch sees a GPU (`training.device`); the random draws come from one
-generator on that device.
+Denoising score matching with EDM's loss weighting and log-normal noise levels, AdamW, EMA,
+warm-up then cosine decay, condition dropout for CFG. A denoiser with a context gets per block
+the C catalog items the service would look up (`context_source`, context.py). Checkpoints land
+in `<bundle>/runs/diffusion/` (a run resumes when its config matches), beside `loss.json` and
+`loss_curve.png`; CUDA when torch sees a GPU, all draws from one generator on that device.
 """
 
 from __future__ import annotations
