@@ -174,7 +174,7 @@ def draw_rows(index: Any, sampler: Sampler, queries: np.ndarray, seed: int | Non
     if draws == 1:
         return sampler.draw(queries, seed=seed, context=features, embeddings=context)
     repeated, repeated_features = repeat_draws(queries, features, draws)
-    _, repeated_context = repeat_draws(queries, context, draws)
+    repeated_context = None if context is None else np.repeat(context, draws, axis=0)
     drawn = sampler.draw(repeated, seed=seed, context=repeated_features,
                          embeddings=repeated_context)
     b, length = len(queries), drawn.rows.shape[1]  # (B·D, L, d), each query's draws adjacent
