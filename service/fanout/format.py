@@ -1,9 +1,9 @@
 """The fan-out text format shared by the policy's training and the service's AR path.
 
 The prompt's lines are `query: <text>`, `catalog: <name>; ...` and `fan-out:`; the completion is
-exactly k lines, parsed strictly (a malformed slot scores 0 in service/fanout/reward.py). The
-catalog line names the query's first candidates (folm.json's `context`, `candidates`): a
-from-scratch policy selects from the query's neighbourhood, as it cannot recall from nothing.
+exactly k lines, parsed strictly (a malformed slot scores 0 in GRPO's reward). The catalog
+line names the query's first candidates (folm.json's `context`, `candidates`): a from-scratch
+policy selects from the query's neighbourhood, as it cannot recall from nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.fanout.candidates import Candidates
-from service.fanout.reward import subquery_mask
 
 PROMPT_TEMPLATE = "query: {query}\n{context}fan-out:\n"
 CONTEXT_TEMPLATE = "catalog: {names}\n"
@@ -146,6 +145,18 @@ def parse_fanout(completion: str, k: int) -> ParsedFanout:
     well_formed = len(lines) == k and bool(valid.all()) and not too_long
     return ParsedFanout(subqueries=slots, valid=valid, well_formed=well_formed,
                         n_lines=len(lines))
+
+
+def subquery_mask(subqueries: list[str], k: int) -> np.ndarray:
+    """(k,) bool: slot i is valid when present, non-empty and not a repeat of an earlier slot."""
+    mask = np.zeros(k, dtype=bool)
+    seen: set[str] = set()
+    for i, text in enumerate(subqueries[:k]):
+        key = " ".join(text.lower().split())
+        if key and key not in seen:
+            mask[i] = True
+            seen.add(key)
+    return mask
 
 
 def format_fanout(subqueries: list[str]) -> str:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.fanout.reward import vendi_score
-
 POOL_PER_SLOT = 500
 SLOTS = 10
 POOL_SIZE = POOL_PER_SLOT * SLOTS
@@ -82,3 +80,21 @@ def best_coverage(candidates: set[str], groups: list[list[str]], k: int = SLOTS)
             break
         covered |= groups_of.pop(item)
     return len(covered) / len(groups)
+
+
+def vendi_score(vectors: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Vendi score exp(H(eig(K/n))) of each set of unit vectors; K is the cosine kernel.
+
+    vectors: (..., n, d); mask: (..., n) marks the members (default all). Returns (...).
+    Identical members give 1, mutually orthogonal members give n.
+    """
+    x = np.asarray(vectors, dtype=np.float64)
+    if mask is None:
+        mask = np.ones(x.shape[:-1], dtype=bool)
+    x = x * mask[..., None]  # (..., n, d): non-members become zero rows
+    count = np.maximum(mask.sum(axis=-1), 1)  # (...)
+    kernel = x @ np.swapaxes(x, -1, -2) / count[..., None, None]  # (..., n, n)
+    eig = np.clip(np.linalg.eigvalsh(kernel), 0.0, None)  # (..., n)
+    entropy = -np.sum(np.where(eig > 1e-12, eig * np.log(np.maximum(eig, 1e-300)), 0.0), axis=-1)
+    score = np.exp(entropy)
+    return np.where(mask.any(axis=-1), score, 0.0)

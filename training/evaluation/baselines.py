@@ -18,7 +18,6 @@ import numpy as np
 from service.artifacts.bundle import Bundle
 from service.fanout.candidates import Candidates, candidate_rows
 from service.fanout.grounding import PromptNeighbourhood
-from service.fanout.reward import PAPER_WEIGHTS, RewardWeights, vendi_score
 from service.routes.answer import RouteAnswer, RouteQuery
 from service.routes.hybrid import HybridRoute
 from service.routes.ranked import RankedRoute
@@ -26,7 +25,8 @@ from service.routes.resolution import resolve_items
 from service.routes.single import SingleRoute
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
-from training.data.metrics import POOL_PER_SLOT, POOL_SIZE
+from training.data.metrics import POOL_PER_SLOT, POOL_SIZE, vendi_score
+from training.stage1_fanout.reward import PAPER_WEIGHTS, RewardWeights
 
 MMR_CANDIDATES = 100
 MMR_LAMBDA = 0.7

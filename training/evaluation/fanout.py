@@ -23,7 +23,6 @@ from service.artifacts.bundle import Bundle
 from service.fanout.decoding import FOLM_CONFIG
 from service.fanout.format import parse_fanout
 from service.fanout.grounding import PromptNeighbourhood
-from service.fanout.reward import score_probes
 from service.routes.autoregressive import AutoregressiveRoute
 from service.runtime.encoder import Encoder
 from service.scheduling.assembly import ar_route
@@ -36,6 +35,7 @@ from training.evaluation.baselines import (
     route_method,
 )
 from training.stage1_fanout.grpo import embed_subqueries
+from training.stage1_fanout.reward import score_probes
 
 BEST_OF = 5
 SEED = 0

@@ -19,7 +19,6 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, require_stages
 from service.errors import InputError
-from service.fanout.reward import score_probes
 from service.runtime.encoder import Encoder
 from training.data.metrics import (
     best_coverage,
@@ -40,6 +39,7 @@ from training.evaluation.diffusion_method import diffusion
 from training.evaluation.fanout import FANOUT_METHODS
 from training.evaluation.llm import LLM_METHODS
 from training.evaluation.student_scores import diffusion_scores
+from training.stage1_fanout.reward import score_probes
 
 METRICS = (
     "recall@5k", "hit@5k", "precision@10", "coverage@10", "hit@1", "ndcg@10", "reach@10",

@@ -16,12 +16,12 @@ import numpy as np
 from service.artifacts.bundle import Bundle
 from service.fanout.candidates import Candidates
 from service.fanout.grounding import PromptNeighbourhood
-from service.fanout.reward import reward_terms
 from service.runtime.encoder import Encoder
 from training.data.metrics import SLOTS, group_hit_rate, standard_error
 from training.data.splits import BenchmarkQuery
 from training.stage1_fanout.grpo import REWARD_MODES, TERM_WEIGHTS, FanoutScorer
 from training.stage1_fanout.policy import POLICY_PRESETS
+from training.stage1_fanout.reward import reward_terms
 
 PROMPT_ORDER = "prompt order"
 

@@ -1,6 +1,6 @@
 """Stage 1: GRPO of the fan-out LM on a label-free set reward, with TRL's `GRPOTrainer`.
 
-Reward functions (one per term, built on `service.fanout.reward`): the paper's groundedness,
+Reward functions (one per term, built on `training.stage1_fanout.reward`): the paper's groundedness,
 diversity (Vendi) and alignment, weighted 0.6/0.2/0.2 (§2.2, `--reward all`), and aboutness
 (`--reward about`, the default: the share of slots whose item the lexical index matches to the
 query); GRPO normalises the weighted sum within each group of 8 completions.
@@ -30,12 +30,12 @@ from service.errors import InputError
 from service.fanout.candidates import UNRECORDED_SOURCE, Candidates
 from service.fanout.format import ParsedFanout, PromptBuilder, parse_fanout
 from service.fanout.grounding import NameGrounding
-from service.fanout.reward import PAPER_WEIGHTS, RewardTerms, score_probes
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
 from training.commands import given
 from training.data.metrics import group_hit_rate
 from training.data.splits import masked_train, query_texts
+from training.stage1_fanout.reward import PAPER_WEIGHTS, RewardTerms, score_probes
 
 REWARD_MODES: dict[str, tuple[str, ...]] = {
     "ground": ("ground",),

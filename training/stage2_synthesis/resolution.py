@@ -9,9 +9,9 @@ import numpy as np
 
 from service.fanout.format import parse_fanout
 from service.fanout.grounding import NameGrounding
-from service.fanout.reward import reward_terms
 from service.runtime.encoder import Encoder
 from service.runtime.index import search
+from training.stage1_fanout.reward import reward_terms
 
 
 class ResolutionCache:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.runtime.index import VectorIndex, search
+from training.data.metrics import vendi_score
 
 
 @dataclass(frozen=True)
@@ -39,36 +40,6 @@ class RewardTerms:
     about: np.ndarray
     total: np.ndarray
     n_valid: np.ndarray
-
-
-def vendi_score(vectors: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-    """Vendi score exp(H(eig(K/n))) of each set of unit vectors; K is the cosine kernel.
-
-    vectors: (..., n, d); mask: (..., n) marks the members (default all). Returns (...).
-    Identical members give 1, mutually orthogonal members give n.
-    """
-    x = np.asarray(vectors, dtype=np.float64)
-    if mask is None:
-        mask = np.ones(x.shape[:-1], dtype=bool)
-    x = x * mask[..., None]  # (..., n, d): non-members become zero rows
-    count = np.maximum(mask.sum(axis=-1), 1)  # (...)
-    kernel = x @ np.swapaxes(x, -1, -2) / count[..., None, None]  # (..., n, n)
-    eig = np.clip(np.linalg.eigvalsh(kernel), 0.0, None)  # (..., n)
-    entropy = -np.sum(np.where(eig > 1e-12, eig * np.log(np.maximum(eig, 1e-300)), 0.0), axis=-1)
-    score = np.exp(entropy)
-    return np.where(mask.any(axis=-1), score, 0.0)
-
-
-def subquery_mask(subqueries: list[str], k: int) -> np.ndarray:
-    """(k,) bool: slot i is valid when present, non-empty and not a repeat of an earlier slot."""
-    mask = np.zeros(k, dtype=bool)
-    seen: set[str] = set()
-    for i, text in enumerate(subqueries[:k]):
-        key = " ".join(text.lower().split())
-        if key and key not in seen:
-            mask[i] = True
-            seen.add(key)
-    return mask
 
 
 def reward_terms(

@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
 
-from service.fanout.reward import RewardWeights, reward_terms, subquery_mask, vendi_score
+from service.fanout.format import subquery_mask
 from service.runtime.encoder import normalize
+from training.data.metrics import vendi_score
+from training.stage1_fanout.reward import RewardWeights, reward_terms
 
 
 def test_vendi_of_identical_vectors_is_one():
