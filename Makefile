@@ -42,11 +42,23 @@ $(TRAIN_STAMP): $(SERVE_STAMP)
 	touch $@
 
 # llama.cpp compiles from source: its CPU backend and the library the bindings load, without
-# the multimodal (llava) and `common` libraries they never load (deploy/llama-cpu.cmake).
+# the multimodal (llava) and `common` libraries they never load (deploy/llama-cpu.cmake). Its
+# wheel builds (minutes, on every core) while the serving and training installs download.
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/deploy/llama-cpu.cmake
-$(STAMP): $(TRAIN_STAMP) | system-deps
+LLAMA_SPEC = $(shell python3 -c "import tomllib; print(*[d for d in tomllib.load(open('pyproject.toml', \
+             'rb'))['project']['optional-dependencies']['llm'] if d.startswith('llama')])")
+WHEELS  := $(VENV)/wheels
+LLAMA_STAMP := $(WHEELS)/.llama-built
+$(LLAMA_STAMP):
+	mkdir -p $(WHEELS)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS) $$CMAKE_ARGS" \
-	  $(PY) -m pip install -q -c constraints.txt -e '.[train,dev,milvus,llm,icd10]'
+	  python3 -m pip wheel -q --no-deps -c constraints.txt -w $(WHEELS) '$(LLAMA_SPEC)'
+	touch $@
+
+$(STAMP): pyproject.toml | system-deps
+	$(MAKE) -j2 $(TRAIN_STAMP) $(LLAMA_STAMP)
+	$(PY) -m pip install -q -c constraints.txt --find-links $(WHEELS) \
+	  -e '.[train,dev,milvus,llm,icd10]'
 	touch $@
 
 bundle: train-install

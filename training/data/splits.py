@@ -168,14 +168,25 @@ def query_texts(bundle_dir: Path, split: str = "train") -> list[str]:
     return [json.loads(line)["query"] for line in path.read_text().splitlines() if line]
 
 
-def training_queries(bundle_dir: Path, names: list[str], n_extra: int, seed: int) -> list[str]:
-    """Train-split query texts plus `n_extra` catalog names that are no val/test query."""
+def training_queries(bundle_dir: Path, names: list[str], n_extra: int, seed: int,
+                     breadth: np.ndarray | None = None) -> list[str]:
+    """Train-split query texts plus `n_extra` catalog names that are no val/test query, drawn
+    uniformly, or with `breadth` (per name: the texts holding it) ∝ log(1 + breadth)."""
     train = query_texts(bundle_dir, "train")
     held_out = {t.lower() for split in ("val", "test") for t in query_texts(bundle_dir, split)}
     seen = held_out | {t.lower() for t in train}
     candidates = sorted({n for n in names if n and n.lower() not in seen})
     rng = np.random.default_rng(seed)
-    picked = rng.choice(len(candidates), size=min(n_extra, len(candidates)), replace=False)
+    if breadth is None:
+        picked = rng.choice(len(candidates), size=min(n_extra, len(candidates)), replace=False)
+    else:
+        widest: dict[str, int] = {}
+        for name, wide in zip(names, breadth.tolist(), strict=True):
+            widest[name] = max(widest.get(name, 0), wide)
+        weight = np.log1p([widest[c] for c in candidates])  # (N,)
+        size = min(n_extra, int((weight > 0).sum()))
+        picked = rng.choice(len(candidates), size=size, replace=False,
+                            p=weight / weight.sum()) if size else []
     return [*train, *[candidates[i] for i in sorted(picked)]]
 
 

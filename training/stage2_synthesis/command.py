@@ -12,6 +12,7 @@ from service.errors import InputError
 from service.fanout.trie import DECODINGS
 from training.stage2_synthesis.synthesis import (
     BACKENDS,
+    EXTRA_CHOICES,
     SYNTHESIS_PRESETS,
     SYNTHESIS_RUN,
     TEACHERS,
@@ -26,6 +27,7 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
     config = replace(
         SynthesisConfig(), samples_per_query=args.samples, temperature=args.temperature,
         extra_queries=args.extra_queries, extra_samples=args.extra_samples,
+        extra_choice=args.extra_choice,
         backend=args.backend, endpoint=args.endpoint, model=args.model,
         keep_top_frac=args.keep_top_frac, threads=args.threads, seed=args.seed,
         decoding=args.decoding, teacher=args.teacher,
@@ -63,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="samples per training query")
     syn.add_argument("--extra-queries", type=int, default=SynthesisConfig.extra_queries,
                      help="also sample this many catalog names (no val/test query) as queries")
+    syn.add_argument("--extra-choice", default=SynthesisConfig.extra_choice,
+                     choices=EXTRA_CHOICES, help="how the extra names are drawn: uniformly, or "
+                     "by breadth (∝ log(1 + texts holding the name))")
     syn.add_argument("--extra-samples", type=int, default=SynthesisConfig.extra_samples,
                      help="samples per extra query")
     syn.add_argument("--temperature", type=float, default=SynthesisConfig.temperature)

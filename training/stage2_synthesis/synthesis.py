@@ -42,7 +42,14 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from service.artifacts.bundle import config_hash, git_commit, load_bundle, read_manifest, stage
+from service.artifacts.bundle import (
+    Bundle,
+    config_hash,
+    git_commit,
+    load_bundle,
+    read_manifest,
+    stage,
+)
 from service.backends.onnx import OnnxFanoutBackend
 from service.backends.openai import OpenAICompletionBackend, OpenAIConfig
 from service.backends.protocol import FanoutBackend
@@ -52,6 +59,7 @@ from service.fanout.decoding import FanoutDecoder, lines_regex
 from service.fanout.format import PROMPT_RECIPE, PromptBuilder, item_names
 from service.fanout.trie import DECODINGS, NAME_SCOPES
 from service.loopback import free_port
+from service.ranker.words import ItemWords
 from service.runtime.encoder import Encoder
 from training.stage2_synthesis.backends import TorchFanoutBackend, chosen_backend
 from training.stage2_synthesis.dataset import SHARDS, save_shard
@@ -62,6 +70,7 @@ SYNTHESIS_RUN = "synthesis"
 POLICY_ONNX = "policy-onnx"  # the policy exported for the local backend, in the run folder
 BACKENDS = ("local", "torch", "http", "vllm", "auto")
 ENDPOINT_TIMEOUT_S = 120.0  # 128 samples of one prompt on a busy teacher server
+EXTRA_CHOICES = ("uniform", "breadth")
 TEACHERS = ("folm", "ranker", "oracle")  # `--teacher`: the policy, or stage2_synthesis/teachers
 
 
@@ -75,6 +84,9 @@ class SynthesisConfig:
     # As many as the warm start's WarmStartConfig.extra_queries, not imported: it imports torch.
     extra_queries: int = 4000
     extra_samples: int = 8
+    # how they are drawn: "uniform", or "breadth", ∝ log(1 + texts holding the name): the
+    # category-like names that broad queries are come more often (training_queries)
+    extra_choice: str = "uniform"
     temperature: float = 0.9
     max_new_tokens: int | None = None  # None: the policy's own budget
     shard_queries: int = 16
@@ -99,6 +111,9 @@ class SynthesisConfig:
         bad = [f"{name} must be ≥ 1 (got {value})" for name, value in counts.items() if value < 1]
         if self.extra_queries < 0:
             bad.append(f"extra queries must be ≥ 0 (got {self.extra_queries})")
+        if self.extra_choice not in EXTRA_CHOICES:
+            bad.append(f"extra choice must be one of {', '.join(EXTRA_CHOICES)} "
+                       f"(got {self.extra_choice})")
         if self.decoding not in DECODINGS:
             bad.append(f"decoding must be one of {', '.join(DECODINGS)} (got {self.decoding})")
         if self.temperature < 0:
@@ -116,7 +131,8 @@ SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
     # student learned better from sharper blocks than from the paper's 0.9 or from 0.5. A
     # query's blocks are then copies: their counts only weight the train split's queries (64)
     # over the extra names (8).
-    "cpu": SynthesisConfig(teacher="ranker", temperature=0.0),
+    # names drawn by breadth: its student scored higher on val over 5 seeds (docs/experiments.md)
+    "cpu": SynthesisConfig(teacher="ranker", temperature=0.0, extra_choice="breadth"),
     "tiny": SynthesisConfig(samples_per_query=6, extra_queries=0, max_new_tokens=48,
                             shard_queries=3, teacher="ranker"),
     # the paper's 128 samples per query and its temperature, decoded as GRPO sampled the LLM
@@ -127,6 +143,15 @@ SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
     "gpu-smoke": SynthesisConfig(samples_per_query=4, extra_queries=0, shard_queries=4,
                                  backend="auto"),
 }
+
+
+def synthesis_queries(bundle: Bundle, bundle_dir: Path, config: SynthesisConfig) -> list[str]:
+    """The train split's texts, then the extra catalog names drawn as `extra_choice` says."""
+    from training.data.splits import training_queries
+
+    breadth = ItemWords.of(bundle).fanin if config.extra_choice == "breadth" else None
+    return training_queries(bundle_dir, item_names(bundle.items.texts), config.extra_queries,
+                            config.seed, breadth)
 
 
 def top_fraction(reward: np.ndarray, frac: float | None) -> np.ndarray:
@@ -224,7 +249,7 @@ def synthesize(
     queries: list[str] | None = None,
 ) -> Path:
     """Run (or resume) stage 2 into `run_dir`; returns it."""
-    from training.data.splits import query_texts, training_queries
+    from training.data.splits import query_texts
     from training.stage1_fanout.grpo import check_decoding
     from training.stage1_fanout.policy import policy_meta
 
@@ -237,8 +262,7 @@ def synthesize(
     (run_dir / SHARDS).mkdir(parents=True, exist_ok=True)
     bundle = load_bundle(bundle_dir)
     if queries is None:
-        names = item_names(bundle.items.texts)
-        queries = training_queries(bundle_dir, names, config.extra_queries, config.seed)
+        queries = synthesis_queries(bundle, bundle_dir, config)
     n_train = len(query_texts(bundle_dir, "train"))
     samples = [config.samples_per_query if i < n_train else config.extra_samples
                for i in range(len(queries))]  # extra queries come after the train split's
@@ -312,6 +336,8 @@ def synthesis_stage_config(config: SynthesisConfig, context: int | None = None,
     """The config the `synthesis` stage is current by, with a picking teacher's context and
     what it is (its blocks change with them)."""
     key: dict[str, Any] = {"synthesis": asdict(config)}
+    if config.extra_choice == "uniform":  # earlier keys stay as they were
+        del key["synthesis"]["extra_choice"]
     if context is not None:
         key["context"] = int(context)
         if among != "ranked":  # earlier keys stay as they were

@@ -22,14 +22,13 @@ from tqdm import tqdm
 
 from service.artifacts.bundle import git_commit, load_bundle
 from service.errors import InputError
-from service.fanout.format import item_names
 from service.ranker.mention_context import MentionedNeighbourhood
 from service.ranker.ranker import ScoredCandidates
 from service.runtime.encoder import Encoder
 from service.runtime.index import neighbour_rows
-from training.data.splits import disjoint_train, query_texts, training_queries
+from training.data.splits import disjoint_train, query_texts
 from training.stage2_synthesis.dataset import SHARDS, save_shard
-from training.stage2_synthesis.synthesis import SynthesisConfig
+from training.stage2_synthesis.synthesis import SynthesisConfig, synthesis_queries
 
 TERMS = ("reward", "ground", "diversity", "alignment")  # not scored here: zeros
 # the ranker's best 12: the teacher picks 10 of them, and so does its student (the best 16
@@ -73,8 +72,7 @@ def teacher_queries(bundle_dir: Path, teacher: str, config: SynthesisConfig
         labeled = disjoint_train(bundle_dir)
         return ([q.query for q in labeled], [q.groups for q in labeled],
                 [config.samples_per_query] * len(labeled))
-    names = item_names(load_bundle(bundle_dir).items.texts)
-    queries = training_queries(bundle_dir, names, config.extra_queries, config.seed)
+    queries = synthesis_queries(load_bundle(bundle_dir), bundle_dir, config)
     n_train = len(query_texts(bundle_dir, "train"))
     return queries, None, [config.samples_per_query if i < n_train else config.extra_samples
                            for i in range(len(queries))]

@@ -86,7 +86,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     # trained where its one Euler step samples (σ_max = 1): ln σ ~ N(0, 0.5²); its item
     # scores toward the ranker's scores of the same items; the seed best on val of five
     "standalone": TrainConfig(model=preset("standalone"), steps=2000, target_order="context",
-                              p_mean=0.0, p_std=0.5, soft_weight=1.0, seed=1),
+                              p_mean=0.0, p_std=0.5, soft_weight=1.0, seed=4),
     "tiny": TrainConfig(model=preset("tiny"), steps=20, batch=16, warmup=2,
                         checkpoint_every=10, log_every=5),
 }

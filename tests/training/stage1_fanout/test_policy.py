@@ -140,6 +140,21 @@ def test_training_queries_exclude_val_and_test(bundle: Path) -> None:
     assert {"tent", "lantern", "violin"} <= set(queries)
 
 
+def test_training_queries_by_breadth_favour_wide_names_and_exclude_val_and_test(
+        bundle: Path) -> None:
+    held_out = sorted({q.lower() for s in ("val", "test") for q in query_texts(bundle, s)})
+    wide, narrow = [f"wide {i}" for i in range(50)], [f"narrow {i}" for i in range(50)]
+    names = [*held_out, *wide, *narrow]
+    breadth = np.array([10**6] * len(held_out) + [1000] * 50 + [1] * 50)  # log1p: 6.9 vs 0.69
+    n_train = len(query_texts(bundle, "train"))
+    drawn = [training_queries(bundle, names, 20, seed, breadth)[n_train:] for seed in range(20)]
+    assert not set(held_out) & {q.lower() for d in drawn for q in d}
+    assert all(len(d) == 20 for d in drawn)
+    widths = [sum(q.startswith("wide") for q in d) for d in drawn]
+    assert np.mean(widths) > 15  # 10 of 20 by a uniform draw
+    assert training_queries(bundle, names, 20, 0, np.zeros(len(names)))[n_train:] == []
+
+
 def test_warm_start_writes_a_loadable_checkpoint(bundle: Path) -> None:
     final = make_tiny_policy(bundle)
     meta = policy_meta(final)
