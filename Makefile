@@ -45,8 +45,9 @@ $(TRAIN_STAMP): $(SERVE_STAMP)
 # the multimodal (llava) and `common` libraries they never load (deploy/llama-cpu.cmake). Its
 # wheel builds (minutes, on every core) while the serving and training installs download.
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/deploy/llama-cpu.cmake
-LLAMA_SPEC = $(shell python3 -c "import tomllib; print(*[d for d in tomllib.load(open('pyproject.toml', \
-             'rb'))['project']['optional-dependencies']['llm'] if d.startswith('llama')])")
+# read at parse time (:=): a $(shell) expanded in a recipe holds make's other jobs back
+LLAMA_SPEC := $(shell python3 -c "import tomllib; print(*[d for d in tomllib.load(open('pyproject.toml', \
+              'rb'))['project']['optional-dependencies']['llm'] if d.startswith('llama')])")
 WHEELS  := $(VENV)/wheels
 LLAMA_STAMP := $(WHEELS)/.llama-built
 $(LLAMA_STAMP):
