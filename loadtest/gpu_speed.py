@@ -5,7 +5,7 @@ Random weights (speed does not depend on them): the `paper` preset (Table 3), Eu
 probability-flow ODE with classifier-free guidance (two denoiser passes per step), fp32 and
 bf16 autocast. Writes JSON and markdown (loadtest/results/gpu_sampler.*, beside the served
 routes' figures). Needs torch with CUDA; not part of `make bench`:
-`python -m training.stage3_diffusion.gpu_speed`.
+`python -m loadtest.gpu_speed`.
 """
 
 from __future__ import annotations
