@@ -131,7 +131,7 @@ SYNTHESIS_PRESETS: dict[str, SynthesisConfig] = {
     # student learned better from sharper blocks than from the paper's 0.9 or from 0.5. A
     # query's blocks are then copies: their counts only weight the train split's queries (64)
     # over the extra names (8).
-    # names drawn by breadth: its student scored higher on val over 5 seeds (docs/experiments.md)
+    # extra names drawn by breadth: its student scored higher on val, over five seeds
     "cpu": SynthesisConfig(teacher="ranker", temperature=0.0, extra_choice="breadth"),
     "tiny": SynthesisConfig(samples_per_query=6, extra_queries=0, max_new_tokens=48,
                             shard_queries=3, teacher="ranker"),
