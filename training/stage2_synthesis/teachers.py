@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from service.artifacts.bundle import git_commit, load_bundle
+from service.artifacts.bundle import Bundle, git_commit, load_bundle
 from service.errors import InputError
 from service.ranker.mention_context import MentionedNeighbourhood
 from service.ranker.ranker import ScoredCandidates
@@ -63,7 +63,7 @@ def oracle_block(ids: list[str], groups: list[list[str]], k: int,
     return (picks + rest)[:k]
 
 
-def teacher_queries(bundle_dir: Path, teacher: str, config: SynthesisConfig
+def teacher_queries(bundle: Bundle, bundle_dir: Path, teacher: str, config: SynthesisConfig
                     ) -> tuple[list[str], list[list[list[str]]] | None, list[int]]:
     """(query texts, their groups for the oracle, samples per query): the oracle's are the
     labeled train queries disjoint from val/test; the ranker's, the policy's (train split and
@@ -72,7 +72,7 @@ def teacher_queries(bundle_dir: Path, teacher: str, config: SynthesisConfig
         labeled = disjoint_train(bundle_dir)
         return ([q.query for q in labeled], [q.groups for q in labeled],
                 [config.samples_per_query] * len(labeled))
-    queries = synthesis_queries(load_bundle(bundle_dir), bundle_dir, config)
+    queries = synthesis_queries(bundle, bundle_dir, config)
     n_train = len(query_texts(bundle_dir, "train"))
     return queries, None, [config.samples_per_query if i < n_train else config.extra_samples
                            for i in range(len(queries))]
@@ -103,7 +103,7 @@ def synthesize_blocks(bundle_dir: Path, teacher: str, config: SynthesisConfig, c
         raise InputError(f"among must be one of {AMONG}, got {among!r}")
     started = time.perf_counter()
     bundle = load_bundle(bundle_dir)
-    queries, groups, samples = teacher_queries(bundle_dir, teacher, config)
+    queries, groups, samples = teacher_queries(bundle, bundle_dir, teacher, config)
     (run_dir / SHARDS).mkdir(parents=True, exist_ok=True)
     query_emb = Encoder(bundle.encoder_config).encode(queries)  # (Q, d)
     np.save(run_dir / "query_emb.npy", query_emb)
