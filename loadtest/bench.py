@@ -30,6 +30,7 @@ from loadtest.report import publish
 from service.api.state import settle_heap
 from service.arguments import positive_list
 from service.artifacts.bundle import Bundle, load_bundle, require_stages
+from service.artifacts.stages import AR_STAGE, ONNX_POLICIES
 from service.errors import R4TError
 from service.ranker.ranker import RANKER_CONFIG, RANKER_DIR
 from service.routes.answer import RouteQuery, searched_s
@@ -102,7 +103,7 @@ def paired_ratio(a: Any, b: Any, queries: list[str], k: int, pairs: int = PAIRS)
     return float(np.median(ratios))
 
 
-BENCH_STAGES = ("catalog", "lexical", "benchmark", ("folm", "folm-warmstart"), "diffusion")
+BENCH_STAGES = ("catalog", "lexical", "benchmark", ONNX_POLICIES, "diffusion")
 
 
 def trigger_s(trigger: FanoutTrigger, queries: list[str]) -> float:
@@ -204,7 +205,7 @@ def run(bundle_dir: Path, batches: tuple[int, ...], threads: int, out_dir: Path,
               "sampler": {key: sampler.config.get(key) for key in
                           ("solver", "steps", "cfg_weight", "draws", "context_source", "params",
                            "flops_per_query", "rows")},
-              "folm": {"params": decoder.config.get("params"),  # the served budget and T:
+              AR_STAGE: {"params": decoder.config.get("params"),  # the served budget and T:
                        "max_new_tokens": paths["ar"].backend.max_new_tokens,  # type: ignore
                        "decoding": paths["ar"].backend.decoding,  # type: ignore[union-attr]
                        "temperature": paths["ar"].backend.temperature},  # type: ignore
@@ -251,7 +252,7 @@ def _row(b: int, clocks: dict[str, dict[str, float]], config: dict, peak: float)
 
 
 def markdown(report: dict) -> str:
-    m, s = report["machine"], report["sampler"]
+    m, s, ar = report["machine"], report["sampler"], report[AR_STAGE]
     lines = [
         "# r4t speed benchmark: autoregressive vs diffusion, same run, same machine", "",
         f"- machine: {m['cpu']}, {m['cores']} cores, ONNX Runtime {m['onnxruntime']}, "
@@ -261,10 +262,9 @@ def markdown(report: dict) -> str:
         f"- diffusion sampler: {s['solver']}, {s['steps']} steps, CFG w={s['cfg_weight']}, "
         f"{s.get('draws') or 1} draw(s), context {s.get('context_source') or 'nearest'}, "
         f"{s['params']:,} params, {s['flops_per_query'] / 1e6:.0f} MFLOP/query",
-        f"- AR fan-out model: {report['folm']['params']:,} params, "
-        f"T={report['folm'].get('temperature')} (as served), "
-        f"{report['folm'].get('decoding', 'lines')} decoding, "
-        f"≤ {report['folm']['max_new_tokens']} new tokens, named sub-queries looked up",
+        f"- AR fan-out model: {ar['params']:,} params, T={ar.get('temperature')} (as served), "
+        f"{ar.get('decoding', 'lines')} decoding, "
+        f"≤ {ar['max_new_tokens']} new tokens, named sub-queries looked up",
         f"- each figure is the fastest of {REPEATS} runs; seconds per batch through the "
         "service's path objects (k distinct items), their own stage clocks",
         "- inputs / single: the diffusion path's encode and context lookup (what its denoiser "

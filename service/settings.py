@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.artifacts.stages import AR_STAGE
 from service.limits import MAX_BATCH_QUERIES, MAX_K, MAX_QUERY_CHARS
 from service.redaction import without_credentials
 from service.routes import ROUTE_ORDER
@@ -219,7 +220,7 @@ class Settings(BaseSettings):
     openai_base_url: str | None = Field(
         None, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1."
     )
-    openai_model: str = Field("folm", description="Model name sent to the endpoint.")
+    openai_model: str = Field(AR_STAGE, description="Model name sent to the endpoint.")
     openai_api_key: SecretStr | None = Field(None, description="Bearer key for the endpoint.")
     openai_timeout_s: float = Field(10.0, gt=0, description="Per-attempt HTTP timeout.")
     openai_retries: int = Field(2, ge=0, description="Retries after a failed attempt.")

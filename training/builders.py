@@ -14,6 +14,7 @@ from typing import Any
 
 from service.artifacts.bundle import config_hash, read_manifest, stage_inputs, write_json_atomic
 from service.artifacts.items import ItemStore
+from service.artifacts.stages import AR_STAGE, AR_WARMSTART
 from service.errors import BundleError
 from training.data.bundle_stages import CatalogConfig, benchmark_stage, catalog_stage, lexical_stage
 from training.data.catalog import Catalog, load_catalog
@@ -79,11 +80,11 @@ def _build_warmstart(build: StageBuild, manifest: dict[str, Any]) -> dict[str, A
 
     configs = _configs(build)
     if configs.init:
-        return _export_policy(build, Path(configs.init), "folm-warmstart",
-                              build.keys["folm-warmstart"])
-    run_dir = _run_dir(build, manifest, "folm-warmstart", build.bundle_dir / "runs" / WARMSTART_RUN)
+        return _export_policy(build, Path(configs.init), AR_WARMSTART,
+                              build.keys[AR_WARMSTART])
+    run_dir = _run_dir(build, manifest, AR_WARMSTART, build.bundle_dir / "runs" / WARMSTART_RUN)
     final = warm_start(build.bundle_dir, configs.warmstart, run_dir)
-    return _export_policy(build, final, "folm-warmstart")
+    return _export_policy(build, final, AR_WARMSTART)
 
 
 def _build_folm(build: StageBuild, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -94,21 +95,21 @@ def _build_folm(build: StageBuild, manifest: dict[str, Any]) -> dict[str, Any]:
 
     configs = _configs(build)
     init = Path(configs.init) if configs.init else \
-        _checkpoint(build.bundle_dir / "runs" / WARMSTART_RUN / FINAL, "folm-warmstart")
-    run_dir = _run_dir(build, manifest, "folm", run_dir_for(build.bundle_dir, configs.grpo.reward))
+        _checkpoint(build.bundle_dir / "runs" / WARMSTART_RUN / FINAL, AR_WARMSTART)
+    run_dir = _run_dir(build, manifest, AR_STAGE,
+                       run_dir_for(build.bundle_dir, configs.grpo.reward))
     device = device_of()
     if device.kind == "cuda" and not distributed():
         launch_grpo(build.bundle_dir, configs.grpo, init, device.count)
-        final = _checkpoint(run_dir / FINAL, "folm")
+        final = _checkpoint(run_dir / FINAL, AR_STAGE)
     else:
         final = train_grpo(build.bundle_dir, configs.grpo, init, run_dir, device=device.kind)
-    return _export_policy(build, final, "folm")
+    return _export_policy(build, final, AR_STAGE)
 
 
 def _build_synthesis(build: StageBuild, manifest: dict[str, Any]) -> dict[str, Any]:
     """Stage 2 (`r4t synthesize`): sample the recipe's teacher (the ranker, or the GRPO
     policy) into runs/synthesis."""
-    from training.stage1_fanout.export import FOLDERS
     from training.stage1_fanout.grpo import run_dir_for
     from training.stage1_fanout.warmstart import FINAL
     from training.stage2_synthesis.backends import chosen_backend
@@ -130,10 +131,10 @@ def _build_synthesis(build: StageBuild, manifest: dict[str, Any]) -> dict[str, A
         synthesize_blocks(build.bundle_dir, configs.synthesis.teacher, configs.synthesis,
                           context, run_dir, among)
         return commit_synthesis(build.bundle_dir, configs.synthesis, run_dir, context, among)
-    policy = _checkpoint(run_dir_for(build.bundle_dir, configs.grpo.reward) / FINAL, "folm")
+    policy = _checkpoint(run_dir_for(build.bundle_dir, configs.grpo.reward) / FINAL, AR_STAGE)
     local = chosen_backend(configs.synthesis.backend, configs.synthesis.decoding) == "local"
     if local and not (run_dir / POLICY_ONNX).exists():  # it samples the bundle's export
-        shutil.copytree(build.bundle_dir / FOLDERS["folm"], run_dir / POLICY_ONNX)
+        shutil.copytree(build.bundle_dir / AR_STAGE, run_dir / POLICY_ONNX)
     synthesize(build.bundle_dir, configs.synthesis, policy, run_dir)
     return commit_synthesis(build.bundle_dir, configs.synthesis, run_dir)
 
@@ -159,7 +160,7 @@ def _build_diffusion(build: StageBuild, manifest: dict[str, Any]) -> dict[str, A
 BUILDERS: dict[str, Callable[[StageBuild, dict[str, Any]], dict[str, Any]]] = {
     "catalog": _build_catalog, "lexical": _build_lexical, "benchmark": _build_benchmark,
     "ranker": _build_ranker, "routes": _build_routes,
-    "folm-warmstart": _build_warmstart, "folm": _build_folm,
+    AR_WARMSTART: _build_warmstart, AR_STAGE: _build_folm,
     "synthesis": _build_synthesis, "diffusion": _build_diffusion,
 }
 

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from service.artifacts.stages import AR_STAGE
+
 if TYPE_CHECKING:  # it imports torch
     from training.stage1_fanout.grpo import GrpoConfig
 
@@ -19,6 +21,6 @@ def launch_grpo(bundle_dir: Path, config: GrpoConfig, init: Path, gpus: int) -> 
     processes = max(n for n in range(1, gpus + 1) if config.queries_per_step % n == 0)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes",
                str(processes), "-m", "service.command", "--bundle", str(bundle_dir), "train",
-               "folm", "--preset", config.preset, "--init", str(init)]
+               AR_STAGE, "--preset", config.preset, "--init", str(init)]
     print("== " + " ".join(command), flush=True)
     subprocess.run(command, check=True)

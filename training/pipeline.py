@@ -30,7 +30,13 @@ from service.artifacts.bundle import (
     stage_status,
     write_manifest,
 )
-from service.artifacts.stages import CATALOG_STAGES, LABELED_STAGES, SHIPPED_STAGES
+from service.artifacts.stages import (
+    AR_STAGE,
+    AR_WARMSTART,
+    CATALOG_STAGES,
+    LABELED_STAGES,
+    SHIPPED_STAGES,
+)
 from service.errors import BundleError
 from service.runtime.encoder import EncoderConfig
 from training.builders import BUILDERS, StageBuild
@@ -62,10 +68,10 @@ def stage_keys(catalog: CatalogConfig, configs: Recipe | None = None) -> dict[st
         from training.stage3_diffusion.export import diffusion_stage_config
 
         if configs.ar:
-            keys["folm-warmstart"] = init_key(Path(configs.init)) if configs.init else \
+            keys[AR_WARMSTART] = init_key(Path(configs.init)) if configs.init else \
                 policy_stage_config(asdict(configs.warmstart),
                                     asdict(POLICY_PRESETS[configs.warmstart.preset]))
-            keys["folm"] = policy_stage_config(asdict(configs.grpo))
+            keys[AR_STAGE] = policy_stage_config(asdict(configs.grpo))
         keys["synthesis"] = synthesis_stage_config(
             configs.synthesis, block_context(configs.synthesis, configs.diffusion.model.context),
             configs.diffusion.model.among)

@@ -14,6 +14,11 @@ from service.runtime.milvus import MILVUS_STAGE
 CATALOG_COMMAND = "r4t --bundle {bundle} catalog"
 BUNDLE_COMMAND = "r4t --bundle {bundle} bundle"
 ROUTES_FILE = "routes.json"  # the `routes` stage's choice: {"weights": R4T_ROUTES's form, ...}
+# the `ar` route's models: stage 1's fan-out LM (its GRPO policy, then its warm start, each
+# exported to ONNX) and a pretrained GGUF policy; the route serves the first a bundle has
+AR_STAGE, AR_WARMSTART, LLM_STAGE = "folm", "folm-warmstart", "llm"
+ONNX_POLICIES = (AR_STAGE, AR_WARMSTART)
+AR_POLICIES = (*ONNX_POLICIES, LLM_STAGE)
 
 
 @dataclass(frozen=True)
@@ -39,16 +44,16 @@ STAGES: tuple[StageSpec, ...] = (
               route="ranked"),
     # stage 1, the fan-out LM: its warm start, then its GRPO policy; both read the lexical
     # index through their prompts' candidates, as stages 2 and 3 do
-    StageSpec("folm-warmstart", ("catalog", "lexical", "benchmark"), shipped=True),
-    StageSpec("folm", ("catalog", "lexical", "benchmark", "folm-warmstart"), shipped=True),
+    StageSpec(AR_WARMSTART, ("catalog", "lexical", "benchmark"), shipped=True),
+    StageSpec(AR_STAGE, ("catalog", "lexical", "benchmark", AR_WARMSTART), shipped=True),
     # stage 2: a run folder, no bundle files; either teacher
-    StageSpec("synthesis", ("catalog", "lexical", "benchmark", "ranker", "folm"), shipped=True),
+    StageSpec("synthesis", ("catalog", "lexical", "benchmark", "ranker", AR_STAGE), shipped=True),
     StageSpec("diffusion", ("catalog", "lexical", "synthesis"), shipped=True, route="diffusion"),
     # the default A/B weights, measured on val over the routes the bundle serves
-    StageSpec("routes", ("catalog", "lexical", "benchmark", "ranker", "folm", "diffusion"),
+    StageSpec("routes", ("catalog", "lexical", "benchmark", "ranker", AR_STAGE, "diffusion"),
               labeled=True),
     # a pretrained GGUF policy: it reads no stage
-    StageSpec("llm", (), "r4t --bundle {bundle} llm SOURCE", built=False),
+    StageSpec(LLM_STAGE, (), "r4t --bundle {bundle} llm SOURCE", built=False),
     # the catalog loaded into an external engine: no files, a collection
     StageSpec(MILVUS_STAGE, ("catalog",), "r4t --bundle {bundle} index", built=False),
 )

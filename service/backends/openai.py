@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from service.artifacts.stages import AR_STAGE
 from service.deadline import check, left_s
 from service.errors import UnavailableError
 from service.fanout.format import MAX_NEW_TOKENS, Generation
@@ -29,7 +30,7 @@ MIN_TIMEOUT_S = 0.001  # httpx reads 0 as "fail at once"; a deadline this close 
 @dataclass(frozen=True)
 class OpenAIConfig:
     base_url: str  # e.g. http://127.0.0.1:8001/v1
-    model: str = "folm"
+    model: str = AR_STAGE
     api_key: str | None = None
     timeout_s: float = 10.0
     retries: int = 2

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from service.artifacts.bundle import Bundle
+from service.artifacts.stages import AR_STAGE
 from service.backends.llama import LLM_DIR, LLM_MODEL, LlamaCppFanoutBackend, read_llm_config
 from service.backends.onnx import OnnxFanoutBackend
 from service.backends.openai import OpenAICompletionBackend, OpenAIConfig
@@ -61,7 +62,7 @@ class Loaders:
 
 
 def _ar_backend(settings: Settings, bundle: Bundle, loaders: Loaders,
-                folder: str = "folm") -> BackendChoice:
+                folder: str = AR_STAGE) -> BackendChoice:
     """R4T_AR_BACKEND's backend, or with "auto" the first the bundle or settings offer."""
     choice = settings.ar_backend
     if choice == "onnx" or (choice == "auto" and bundle.has(f"{folder}/model.onnx")):
@@ -125,7 +126,7 @@ def _openai_backend(settings: Settings, base_url: str) -> BackendChoice:
 
 def ar_route(
     settings: Settings, bundle: Bundle, encoder: Encoder, loaders: Loaders | None = None,
-    folder: str = "folm",
+    folder: str = AR_STAGE,
 ) -> AutoregressiveRoute:
     """The AR route as `settings` configure it, over the fan-out model in `folder`."""
     backend, fanout_k, context, source = _ar_backend(settings, bundle, loaders or Loaders(),

@@ -14,6 +14,7 @@ from dataclasses import replace
 from functools import partial
 
 from service.artifacts.bundle import Bundle
+from service.artifacts.stages import AR_STAGE, AR_WARMSTART
 from service.routes.answer import RouteAnswer, RouteQuery
 from service.routes.diffusion import DiffusionRoute
 from service.routes.single import SingleRoute
@@ -57,7 +58,7 @@ def auto(bundle: Bundle, k: int = 10, seed: int = 0, threads: int = 0,
         fanout: RouteCall = DiffusionRoute(bundle, encoder, open_sampler(bundle, threads=threads),
                                            seed)
     else:  # stage 1's GRPO policy, or its warm start before GRPO has landed
-        folder = "folm" if bundle.has("folm/model.onnx") else "folm-warmstart"
+        folder = AR_STAGE if bundle.has(f"{AR_STAGE}/model.onnx") else AR_WARMSTART
         fanout = policy_route(bundle, folder, threads, None, seed, None)
     return route_method(bundle, routed(trigger, SingleRoute(bundle, encoder), fanout), k)
 

@@ -20,6 +20,7 @@ from functools import partial
 import numpy as np
 
 from service.artifacts.bundle import Bundle
+from service.artifacts.stages import AR_STAGE, AR_WARMSTART
 from service.fanout.decoding import FOLM_CONFIG
 from service.fanout.format import parse_fanout
 from service.fanout.grounding import PromptNeighbourhood
@@ -46,7 +47,7 @@ def served_decoding(bundle: Bundle, decoding: str | None) -> str | None:
     alike, else None (each decoder's own)."""
     if decoding is not None:
         return decoding
-    served = bundle.path / "folm" / FOLM_CONFIG
+    served = bundle.path / AR_STAGE / FOLM_CONFIG
     config = json.loads(served.read_text()) if served.is_file() else {}
     return config.get("decoding")
 
@@ -83,8 +84,8 @@ def one_sample(
     return route_method(bundle, path, k, prompt_candidates(bundle, path))
 
 
-folm_warmstart = partial(one_sample, folder="folm-warmstart")
-folm = partial(one_sample, folder="folm")
+folm_warmstart = partial(one_sample, folder=AR_WARMSTART)
+folm = partial(one_sample, folder=AR_STAGE)
 
 
 def best_of_5(
@@ -93,7 +94,7 @@ def best_of_5(
 ) -> Method:
     """n warm-start samples per query (the served route's prompts and decoding); keep the one
     with the highest composite reward."""
-    path = policy_route(bundle, "folm-warmstart", threads, temperature, seed, decoding)
+    path = policy_route(bundle, AR_WARMSTART, threads, temperature, seed, decoding)
     candidates = prompt_candidates(bundle, path)
 
     def run(texts: list[str], queries: np.ndarray) -> MethodOutput:
@@ -114,7 +115,7 @@ def best_of_5(
 
 
 FANOUT_METHODS: dict[str, Callable[..., Method]] = {
-    "folm-warmstart": folm_warmstart,
-    "folm": folm,
+    AR_WARMSTART: folm_warmstart,
+    AR_STAGE: folm,
     "best-of-5": best_of_5,
 }

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.bundle import load_bundle, read_manifest
+from service.artifacts.stages import AR_STAGE
 from service.runtime.index import IndexChoice
 from service.settings import Settings
 from training.evaluation.harness import evaluate
@@ -23,8 +24,8 @@ from training.evaluation.harness import evaluate
 SEEDS = 4
 SPLITS = ("val", "test")
 ROUTES = (("single", ()), ("hybrid", ("lexical",)), ("ranked", ("ranker",)),
-          ("diffusion", ("diffusion",)), ("folm", ("folm",)))
-SEEDED = ("diffusion", "folm")
+          ("diffusion", ("diffusion",)), (AR_STAGE, (AR_STAGE,)))
+SEEDED = ("diffusion", AR_STAGE)
 NO_SOLVER = "diffusion, no solver (its item scores, greedy spread; torch)"
 
 

@@ -15,15 +15,16 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.bundle import load_bundle
+from service.artifacts.stages import AR_STAGE
 from service.runtime.encoder import Encoder
 from service.runtime.index import IndexChoice
 from training.evaluation.harness import evaluate, write_report
 
 SPLIT = "val"
 # the served routes, and the prompt order
-METHODS = ("diffusion", "ranked", "folm", "hybrid", "single", "hybrid-names")
-CHECKED = ("diffusion", "ranked", "folm", "hybrid", "single")  # served under these routes
-SAMPLED = ("diffusion", "folm")  # seeded draws: compared within their seeds' spread
+METHODS = ("diffusion", "ranked", AR_STAGE, "hybrid", "single", "hybrid-names")
+CHECKED = ("diffusion", "ranked", AR_STAGE, "hybrid", "single")  # served under these routes
+SAMPLED = ("diffusion", AR_STAGE)  # seeded draws: compared within their seeds' spread
 METRICS = ("coverage@10", "recall@5k")
 SPREADS = 3.0  # a sampled route's tolerance in standard deviations of the per-seed means
 FLOOR = 0.005  # and at least this: CPUs differ a little in a sampled route's draws

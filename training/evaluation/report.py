@@ -18,6 +18,7 @@ import numpy as np
 
 from service.artifacts.bundle import REPORTS_DIR
 from service.artifacts.items import ItemStore
+from service.artifacts.stages import AR_STAGE
 from service.fanout.format import item_name
 from training.data.metrics import standard_error
 from training.data.query_sets import load_queries
@@ -28,7 +29,7 @@ from training.evaluation.trigger_curve import CURVE_DIR as TRIGGER_DIR
 REPORT_FILE = "report.html"
 SPLITS = ("test", "val")
 EXAMPLES = 4  # queries shown per split
-EXAMPLE_METHODS = ("single", "mmr", "hybrid-names", "folm", "diffusion")  # the README's rows
+EXAMPLE_METHODS = ("single", "mmr", "hybrid-names", AR_STAGE, "diffusion")  # the README's rows
 STYLE = """body{font:15px/1.45 system-ui,sans-serif;max-width:1100px;margin:2rem auto;
 color:#1d232b;padding:0 1rem}figure{margin:1.5rem 0}figcaption{color:#445;max-width:900px}
 img{max-width:100%}table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0 1.5rem}

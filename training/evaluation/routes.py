@@ -28,7 +28,7 @@ from service.artifacts.bundle import (
     read_manifest,
     stage,
 )
-from service.artifacts.stages import ROUTE_STAGES, ROUTES_FILE
+from service.artifacts.stages import AR_POLICIES, ROUTE_STAGES, ROUTES_FILE
 from service.routes import ROUTE_ORDER
 from service.runtime.index import IndexChoice
 from service.settings import Settings
@@ -37,7 +37,6 @@ from training.evaluation.harness import evaluate
 
 # served routes the harness runs by the same name, best first
 FANOUT_ROUTES = tuple(r for r in ROUTE_ORDER if r in ROUTE_STAGES)
-AR_POLICIES = ("folm", "folm-warmstart", "llm")
 
 
 @dataclass(frozen=True)

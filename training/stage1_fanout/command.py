@@ -6,6 +6,7 @@ import argparse
 import time
 
 from service.arguments import non_negative, positive
+from service.artifacts.stages import AR_STAGE
 from service.errors import InputError
 from service.fanout.trie import DECODINGS
 from training.commands import given, subcommand_group
@@ -66,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     """`r4t train folm [--preset P] [--reward about|all|ground|ground+align|label|ablation|
     py:module:function]`."""
     what = subcommand_group(sub, "train", "train models")
-    folm = what.add_parser("folm", help="warm start + GRPO of the fan-out LM")
+    folm = what.add_parser(AR_STAGE, help="warm start + GRPO of the fan-out LM")
     folm.add_argument("--preset", default="cpu", choices=sorted(GRPO_PRESETS))
     folm.add_argument("--reward", default=GrpoConfig.reward, type=reward_mode,
                       help=f"one of {', '.join([*REWARD_MODES, LABEL_REWARD, 'ablation'])}, "

@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from service.artifacts.bundle import config_hash, git_commit, read_manifest, stage
+from service.artifacts.stages import AR_STAGE, AR_WARMSTART, ONNX_POLICIES
+from service.errors import InputError
 from service.fanout.candidates import UNRECORDED_SOURCE
 from service.fanout.decoding import FOLM_CONFIG, MODEL_FILE, TOKENIZER_FILE
 from training.commands import subcommand_group
 
 OPSET = 18
 PROTOBUF_LIMIT = 1_800_000_000  # bytes of fp32 weights one model.onnx holds (2 GB, less slack)
-FOLDERS = {"folm": "folm", "folm-warmstart": "folm-warmstart"}
 
 
 def cached_decoder(model: Any) -> Any:
@@ -177,39 +178,41 @@ def commit_policy(bundle_dir: Path, checkpoint: Path, name: str,
     from training.stage1_fanout.policy import policy_meta
 
     started = time.perf_counter()
-    folder = FOLDERS[name]
     manifest = read_manifest(bundle_dir)
     meta = policy_meta(checkpoint)
     key = key or policy_stage_config(meta.get("config", {}),
-                                     meta.get("policy") if name == "folm-warmstart" else None)
+                                     meta.get("policy") if name == AR_WARMSTART else None)
     record = {
         "config": key, "config_hash": config_hash(key), "checkpoint": str(checkpoint),
         "training_wall_s": meta.get("wall_s"), "training_ledger": meta.get("ledger"),
         "seed": meta.get("seed"), "source_git_commit": meta.get("git_commit", git_commit()),
     }
-    with stage(bundle_dir, manifest, folder, record) as staged:
-        config = export_folder(checkpoint, staged / folder)
-        files = sorted(path.name for path in (staged / folder).iterdir())  # + external data
+    with stage(bundle_dir, manifest, name, record) as staged:
+        config = export_folder(checkpoint, staged / name)
+        files = sorted(path.name for path in (staged / name).iterdir())  # + external data
         record.update(exported=config, wall_s=round(time.perf_counter() - started, 2),
-                      files=[f"{folder}/{f}" for f in files])
-    print(f"exported {checkpoint} -> {bundle_dir / folder} ({config['params']:,} params)")
+                      files=[f"{name}/{f}" for f in files])
+    print(f"exported {checkpoint} -> {bundle_dir / name} ({config['params']:,} params)")
     return config
 
 
 def default_checkpoint(bundle_dir: Path, name: str) -> Path:
     from training.stage1_fanout.grpo import GRPO_PRESETS, run_dir_for
 
-    if name == "folm-warmstart":
-        return bundle_dir / "runs" / "folm-warmstart" / "final"
+    if name == AR_WARMSTART:
+        return bundle_dir / "runs" / AR_WARMSTART / "final"
     return run_dir_for(bundle_dir, GRPO_PRESETS["cpu"].reward) / "final"
 
 
 def cmd_export(args: argparse.Namespace) -> None:
     import torch
 
+    unknown = set(args.which.split(",")) - set(ONNX_POLICIES)
+    if unknown:
+        raise InputError(f"--which takes {', '.join(ONNX_POLICIES)}, not {', '.join(unknown)}")
     torch.set_num_threads(args.threads)
     # the warm start first: the policy's record keeps the hash of the warm start it read
-    for name in sorted(args.which.split(","), key=lambda n: n != "folm-warmstart"):
+    for name in sorted(args.which.split(","), key=lambda n: n != AR_WARMSTART):
         checkpoint = Path(args.checkpoint) if args.checkpoint else default_checkpoint(
             args.bundle, name)
         commit_policy(args.bundle, checkpoint, name)
@@ -218,9 +221,9 @@ def cmd_export(args: argparse.Namespace) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     """`r4t export folm [--which folm,folm-warmstart] [--checkpoint DIR]`."""
     what = subcommand_group(sub, "export", "export trained models into the bundle")
-    folm = what.add_parser("folm", help="the fan-out LM(s) to ONNX with a KV cache")
-    folm.add_argument("--which", default="folm,folm-warmstart",
-                      help="comma list of folm, folm-warmstart")
+    folm = what.add_parser(AR_STAGE, help="the fan-out LM(s) to ONNX with a KV cache")
+    folm.add_argument("--which", default=",".join(ONNX_POLICIES),
+                      help=f"comma list of {', '.join(ONNX_POLICIES)}")
     folm.add_argument("--checkpoint", default=None, help="a HF checkpoint folder (one --which)")
     folm.add_argument("--threads", type=int, default=1)
     folm.set_defaults(func=cmd_export)

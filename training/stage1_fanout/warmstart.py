@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from service.artifacts.bundle import git_commit, load_bundle
+from service.artifacts.stages import AR_WARMSTART
 from service.fanout.candidates import Candidates
 from service.fanout.format import build_prompt, context_names, format_fanout, item_names
 from service.runtime.encoder import Encoder
@@ -46,7 +47,7 @@ from training.stage1_fanout.policy import (
     train_tokenizer,
 )
 
-WARMSTART_RUN = "folm-warmstart"
+WARMSTART_RUN = AR_WARMSTART
 FINAL = "final"
 
 

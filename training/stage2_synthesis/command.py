@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from service.arguments import positive
+from service.artifacts.stages import AR_STAGE
 from service.errors import InputError
 from service.fanout.trie import DECODINGS
 from training.stage2_synthesis.synthesis import (
@@ -32,7 +33,7 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         keep_top_frac=args.keep_top_frac, threads=args.threads, seed=args.seed,
         decoding=args.decoding, teacher=args.teacher,
     )
-    if args.teacher != "folm":  # blocks the ranker or the labels pick
+    if args.teacher != AR_STAGE:  # blocks the ranker or the labels pick
         if args.teacher == "oracle" and not args.run_dir:
             raise InputError("--teacher oracle writes a positive control's dataset: name its "
                              "--run-dir (then `r4t train diffusion --dataset DIR "
@@ -45,7 +46,7 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
     from training.stage1_fanout.export import default_checkpoint
 
     checkpoint = (Path(args.checkpoint) if args.checkpoint
-                  else default_checkpoint(args.bundle, "folm"))
+                  else default_checkpoint(args.bundle, AR_STAGE))
     run_dir = Path(args.run_dir) if args.run_dir else None
     queries = None
     if args.limit:

@@ -50,6 +50,7 @@ from service.artifacts.bundle import (
     read_manifest,
     stage,
 )
+from service.artifacts.stages import AR_STAGE
 from service.backends.onnx import OnnxFanoutBackend
 from service.backends.openai import OpenAICompletionBackend, OpenAIConfig
 from service.backends.protocol import FanoutBackend
@@ -71,7 +72,7 @@ POLICY_ONNX = "policy-onnx"  # the policy exported for the local backend, in the
 BACKENDS = ("local", "torch", "http", "vllm", "auto")
 ENDPOINT_TIMEOUT_S = 120.0  # 128 samples of one prompt on a busy teacher server
 EXTRA_CHOICES = ("uniform", "breadth")
-TEACHERS = ("folm", "ranker", "oracle")  # `--teacher`: the policy, or stage2_synthesis/teachers
+TEACHERS = (AR_STAGE, "ranker", "oracle")  # `--teacher`: the policy, or stage2_synthesis/teachers
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class SynthesisConfig:
     # run) or "auto" (vllm where a GPU runs it and `decoding` is one regex, else torch)
     backend: str = "local"
     endpoint: str | None = None  # base URL of an OpenAI-compatible server (http backend)
-    model: str = "folm"  # model name sent to the http backend
+    model: str = AR_STAGE  # model name sent to the http backend
     keep_top_frac: float | None = None  # None: no reward filter (the paper's choice)
     decoding: str = "context"  # as GRPO sampled and the service decodes (service/fanout/trie.py)
     k: int = PROMPT_RECIPE.k
@@ -103,7 +104,7 @@ class SynthesisConfig:
     threads: int = 1  # ONNX Runtime / torch intra-op threads
     # who writes the blocks: "folm", the policy sampled as above; "ranker", the bundle's ranker
     # sampled at `temperature` among the student's context (stage2_synthesis/teachers.py)
-    teacher: str = "folm"
+    teacher: str = AR_STAGE
 
     def __post_init__(self) -> None:
         counts = {"samples per query": self.samples_per_query, "k": self.k,
@@ -328,7 +329,7 @@ def _sample_shards(run_dir: Path, config: SynthesisConfig, ctx: dict[str, Any],
 def block_context(config: SynthesisConfig, student: int) -> int | None:
     """How many items a picking teacher (the ranker, the labels) chooses among: the student's
     context, else the prompt's names; None for the policy, which writes sub-queries."""
-    return None if config.teacher == "folm" else (student or PROMPT_RECIPE.context)
+    return None if config.teacher == AR_STAGE else (student or PROMPT_RECIPE.context)
 
 
 def synthesis_stage_config(config: SynthesisConfig, context: int | None = None,
