@@ -205,11 +205,11 @@ def default_checkpoint(bundle_dir: Path, name: str) -> Path:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    import torch
-
     unknown = set(args.which.split(",")) - set(ONNX_POLICIES)
     if unknown:
         raise InputError(f"--which takes {', '.join(ONNX_POLICIES)}, not {', '.join(unknown)}")
+    import torch
+
     torch.set_num_threads(args.threads)
     # the warm start first: the policy's record keeps the hash of the warm start it read
     for name in sorted(args.which.split(","), key=lambda n: n != AR_WARMSTART):

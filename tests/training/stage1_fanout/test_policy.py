@@ -202,3 +202,16 @@ def test_export_records_how_the_policy_sampled() -> None:
     assert trained_decoding({"config": {"grammar": False}}) == "free"
     assert trained_decoding({"config": {}, "policy": {"context": 16}}) == "context"
     assert trained_decoding({"policy": {"context": 0}}) == "lines"
+
+
+def test_export_refuses_a_stage_that_is_no_policy_before_any_work(tmp_path: Path) -> None:
+    import argparse
+
+    from service.errors import InputError
+    from training.stage1_fanout.export import cmd_export
+
+    args = argparse.Namespace(which="folm,diffusion", bundle=tmp_path, checkpoint=None,
+                              threads=1)
+    with pytest.raises(InputError, match="not diffusion"):
+        cmd_export(args)
+    assert not any(tmp_path.iterdir())
