@@ -238,8 +238,9 @@ def cmd_table(args: argparse.Namespace) -> None:
 
     print(results_table(args.bundle))
     for split in EVAL_SPLITS[1:]:
-        print(paired_table(args.bundle, split, args.paired))
-        kinds = sorted(set(query_kinds(args.bundle, split))) if args.by_kind else []
+        paired = paired_table(args.bundle, split, args.paired)
+        print(paired)
+        kinds = sorted(set(query_kinds(args.bundle, split))) if args.by_kind and paired else []
         for kind in kinds if len(kinds) > 1 else ():
             print(paired_table(args.bundle, split, args.paired, kind))
 

@@ -1,3 +1,4 @@
+import argparse
 import json
 
 import numpy as np
@@ -147,7 +148,7 @@ def test_paired_table_is_the_mean_per_query_difference(tmp_path):
     assert paired_table(tmp_path, "test") == ""  # nothing to compare
 
 
-def test_paired_table_by_kind_pairs_only_that_kinds_queries(tmp_path):
+def test_paired_table_by_kind_pairs_only_that_kinds_queries(tmp_path, capsys):
     from training.evaluation.harness import paired_table, query_kinds
 
     directory = tmp_path / "eval" / "diagnostics"
@@ -156,8 +157,8 @@ def test_paired_table_by_kind_pairs_only_that_kinds_queries(tmp_path):
     for method, coverage in per_query.items():
         record = {"per_query": {"coverage@10": coverage, "recall@5k": [0.5, 0.5, 0.5]}}
         (directory / f"{method}-val.json").write_text(json.dumps(record))
-        (directory.parent / f"{method}-val.json").write_text(
-            json.dumps({"method": method, "split": "val"}))
+        (directory.parent / f"{method}-val.json").write_text(json.dumps(
+            {"method": method, "split": "val", "n_queries": 3, "metrics": {}}))
     (tmp_path / "benchmark").mkdir()
     ids = ["block:A00-A09", "category:A00", "category:A01"]
     (tmp_path / "benchmark" / "val.jsonl").write_text("".join(
@@ -169,3 +170,9 @@ def test_paired_table_by_kind_pairs_only_that_kinds_queries(tmp_path):
     se = diff.std(ddof=1) / np.sqrt(2)
     assert "(category: 2 queries)" in table
     assert f"| single | {diff.mean():+.3f} ± {se:.3f} |" in table
+    # the command pairs each kind where the split was measured (and reads no narrow split)
+    from training.cli import cmd_table
+
+    cmd_table(argparse.Namespace(bundle=tmp_path, paired="diffusion", by_kind=True))
+    printed = capsys.readouterr().out
+    assert "(block: 1 queries)" in printed and "(category: 2 queries)" in printed
