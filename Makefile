@@ -73,8 +73,10 @@ icd10: train-install
 	$(PY) -m training.data.icd10 $(ICD10)
 	$(R4T) --bundle models/icd10 bundle --source $(ICD10)/icd10.jsonl \
 	  --benchmark $(ICD10)/icd10-queries.jsonl
-	$(R4T) --bundle models/icd10 eval --method single,mmr,hybrid,ranked,diffusion --split test \
-	  --seeds 4 --index bundle
+	for split in val test; do $(R4T) --bundle models/icd10 eval --split $$split \
+	  --method single,mmr,hybrid,ranked,diffusion --seeds 4 --index bundle || exit 1; done
+	{ echo '<!-- generated: make icd10 (r4t --bundle models/icd10 table --paired hybrid --by-kind) -->'; \
+	  $(R4T) --bundle models/icd10 table --paired hybrid --by-kind; } > docs/results-icd10.md
 
 # On the bundle's exact index, as the README's table; `r4t eval --index-curve` measures the
 # served index against it.
