@@ -234,8 +234,12 @@ def evaluate_methods(args: argparse.Namespace) -> None:
 
 
 def cmd_table(args: argparse.Namespace) -> None:
+    from service.artifacts.bundle import REPORTS_DIR
     from training.evaluation.harness import paired_table, query_kinds, results_table
 
+    if not any((args.bundle / REPORTS_DIR).glob("*.json")):
+        raise InputError(f"no evaluation reports in {args.bundle / REPORTS_DIR}: "
+                         f"run `r4t --bundle {args.bundle} eval` first")
     print(results_table(args.bundle))
     for split in EVAL_SPLITS[1:]:
         paired = paired_table(args.bundle, split, args.paired)

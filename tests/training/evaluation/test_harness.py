@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from service.artifacts.bundle import load_bundle
+from service.errors import InputError
 from training.data import metrics
 from training.data.metrics import group_hit_rate, precision, recall, set_vendi
 from training.data.splits import load_split, query_texts
@@ -176,3 +177,6 @@ def test_paired_table_by_kind_pairs_only_that_kinds_queries(tmp_path, capsys):
     cmd_table(argparse.Namespace(bundle=tmp_path, paired="diffusion", by_kind=True))
     printed = capsys.readouterr().out
     assert "(block: 1 queries)" in printed and "(category: 2 queries)" in printed
+    with pytest.raises(InputError, match="no evaluation reports"):
+        cmd_table(argparse.Namespace(bundle=tmp_path / "unmeasured", paired="diffusion",
+                                     by_kind=False))
