@@ -48,12 +48,14 @@ class RoutesConfig:
     candidates: tuple[str, ...] = FANOUT_ROUTES  # the fan-out routes measured, when built
     tie_se: float = 2.0  # routes closer than this many paired se to the best are tied
     # passes over the split, route after route, of the routes tied on quality, on the index the
-    # service searches: their price is the median CPU per answer (one pass on the exact index
-    # let the machine's drift decide a tie)
+    # service searches: their price is the median CPU per answer, and a route must be cheaper
+    # in every pass to win on price (one pass on the exact index let the machine's drift
+    # decide a tie)
     rounds: int = 3
 
 
 COST = "cpu_ms_per_query"  # the harness's CPU per answer: the price ties are broken by
+COST_ROUNDS = "cpu_ms_per_query_rounds"  # that price in each pricing round, when measured
 PER_QUERY = "per_query"  # a table row's per-query values of the metric, for the paired tie
 PER_QUERY_RECALL = "per_query_recall@5k"  # and of recall@5k, for the paired floor
 
@@ -63,11 +65,18 @@ def routes_stage_config(config: RoutesConfig = RoutesConfig()) -> dict[str, Any]
 
 
 def choose(table: dict[str, dict[str, Any]], config: RoutesConfig) -> str:
-    """The cheapest of the `contenders` (single when there are none)."""
+    """The cheapest of the `contenders` (single when there are none); where their prices were
+    measured in rounds, only a route cheaper in every round displaces the first of them in
+    ROUTE_ORDER (rounds that disagree are the machine's noise, not a price)."""
     tied = contenders(table, config)
     if not tied:
         return "single"
-    return min(tied, key=lambda r: (table[r].get(COST, 0.0), FANOUT_ROUTES.index(r)))
+    cheapest = min(tied, key=lambda r: (table[r].get(COST, 0.0), FANOUT_ROUTES.index(r)))
+    first = min(tied, key=FANOUT_ROUTES.index)
+    rounds = [table[r].get(COST_ROUNDS) for r in (cheapest, first)]
+    if None in rounds or cheapest == first:
+        return cheapest
+    return cheapest if all(a < b for a, b in zip(*rounds, strict=True)) else first
 
 
 def contenders(table: dict[str, dict[str, Any]], config: RoutesConfig) -> list[str]:
@@ -95,16 +104,16 @@ def _tied(best: dict[str, Any], other: dict[str, Any], tie_se: float,
 
 
 def price(bundle_dir: Path, tied: list[str], config: RoutesConfig
-          ) -> tuple[str, dict[str, float]]:
-    """The index the service searches (R4T_INDEX), and on it each tied route's median CPU per
-    answer over `rounds` passes, route after route (a drift of the machine hits each)."""
+          ) -> tuple[str, dict[str, list[float]]]:
+    """The index the service searches (R4T_INDEX), and on it each tied route's CPU per answer
+    in each of `rounds` passes, route after route (a drift of the machine hits each)."""
     choice = IndexChoice.parse(Settings(bundle=bundle_dir).index)
     served = load_bundle(bundle_dir, choice)
     costs: dict[str, list[float]] = {route: [] for route in tied}
     for _ in range(config.rounds):
         for route in tied:
             costs[route].append(float(evaluate(served, route, config.split)["diagnostics"][COST]))
-    return choice.name, {route: float(np.median(values)) for route, values in costs.items()}
+    return choice.name, costs
 
 
 def measured(report: dict[str, Any], config: RoutesConfig) -> dict[str, Any]:
@@ -138,7 +147,8 @@ def select_routes(bundle_dir: Path, config: RoutesConfig = RoutesConfig()) -> di
     tied = contenders(table, config)
     priced = price(bundle_dir, tied, config) if len(tied) > 1 else None
     for route in tied if priced else ():
-        table[route][COST] = priced[1][route]
+        table[route][COST] = float(np.median(priced[1][route]))
+        table[route][COST_ROUNDS] = priced[1][route]
     best = choose(table, config)
     served = weights(best, any(p in stages for p in AR_POLICIES), config)
     print(f"routes on {config.split}: " + ", ".join(

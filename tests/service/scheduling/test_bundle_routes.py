@@ -57,6 +57,24 @@ def test_a_route_tied_with_the_best_on_val_wins_when_it_is_cheaper():
     assert choose(dearer, CONFIG) == "ranked"
 
 
+def test_a_price_the_rounds_disagree_on_leaves_a_tie_to_the_route_order():
+    from training.evaluation.routes import COST_ROUNDS
+
+    rng = np.random.default_rng(0)
+    best = rng.uniform(0, 0.6, 90).tolist()
+    near = [c - 0.1 if i in (3, 7) else c for i, c in enumerate(best)]
+    single = measured([0.1] * 90, 0.5, 0.2)
+
+    def tied(ranked_rounds: list[float]) -> dict:
+        ranked = {**measured(best, 0.6, float(np.median(ranked_rounds))),
+                  COST_ROUNDS: ranked_rounds}
+        diffusion = {**measured(near, 0.6, 5.0), COST_ROUNDS: [5.0, 5.0, 5.0]}
+        return {"ranked": ranked, "diffusion": diffusion, "single": single}
+
+    assert choose(tied([4.0, 6.0, 4.5]), CONFIG) == "diffusion"  # cheaper by its median only
+    assert choose(tied([4.0, 4.9, 4.5]), CONFIG) == "ranked"  # cheaper in every round
+
+
 def test_a_recall_a_hair_below_single_s_is_noise_and_a_clear_loss_is_not():
     rng = np.random.default_rng(1)
     recall = rng.uniform(0.7, 1.0, 28)
