@@ -1,5 +1,6 @@
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,19 +130,26 @@ def test_counts_on_the_command_line_must_be_positive(capsys):
     assert "must be at least 0" in capsys.readouterr().err
 
 
-def test_paired_table_is_the_mean_per_query_difference(tmp_path):
-    from training.evaluation.harness import paired_table
-
-    directory = tmp_path / "eval" / "diagnostics"
+def write_val_reports(bundle: Path) -> Path:
+    """Two methods' val reports over three queries (diffusion 0.5 / 0.3 / 0.4, single 0.2 /
+    0.3 / 0.1 coverage@10); returns the reports' folder."""
+    directory = bundle / "eval" / "diagnostics"
     directory.mkdir(parents=True)
     per_query = {"diffusion": [0.5, 0.3, 0.4], "single": [0.2, 0.3, 0.1]}
     for method, coverage in per_query.items():
         record = {"per_query": {"coverage@10": coverage, "recall@5k": [0.5, 0.5, 0.5]}}
         (directory / f"{method}-val.json").write_text(json.dumps(record))
-        (directory.parent / f"{method}-val.json").write_text(
-            json.dumps({"method": method, "split": "val"}))
+        (directory.parent / f"{method}-val.json").write_text(json.dumps(
+            {"method": method, "split": "val", "n_queries": 3, "metrics": {}}))
+    return directory.parent
+
+
+def test_paired_table_is_the_mean_per_query_difference(tmp_path):
+    from training.evaluation.harness import paired_table
+
+    reports = write_val_reports(tmp_path)
     other = {"method": "single-narrow", "split": "narrow-val"}  # not read as val's "single"
-    (directory.parent / "single-narrow-val.json").write_text(json.dumps(other))
+    (reports / "single-narrow-val.json").write_text(json.dumps(other))
     table = paired_table(tmp_path, "val")
     diff = np.array([0.3, 0.0, 0.3])
     se = diff.std(ddof=1) / np.sqrt(3)
@@ -152,14 +160,7 @@ def test_paired_table_is_the_mean_per_query_difference(tmp_path):
 def test_paired_table_by_kind_pairs_only_that_kinds_queries(tmp_path, capsys):
     from training.evaluation.harness import paired_table, query_kinds
 
-    directory = tmp_path / "eval" / "diagnostics"
-    directory.mkdir(parents=True)
-    per_query = {"diffusion": [0.5, 0.3, 0.4], "single": [0.2, 0.3, 0.1]}
-    for method, coverage in per_query.items():
-        record = {"per_query": {"coverage@10": coverage, "recall@5k": [0.5, 0.5, 0.5]}}
-        (directory / f"{method}-val.json").write_text(json.dumps(record))
-        (directory.parent / f"{method}-val.json").write_text(json.dumps(
-            {"method": method, "split": "val", "n_queries": 3, "metrics": {}}))
+    write_val_reports(tmp_path)
     (tmp_path / "benchmark").mkdir()
     ids = ["block:A00-A09", "category:A00", "category:A01"]
     (tmp_path / "benchmark" / "val.jsonl").write_text("".join(
